@@ -1,0 +1,3 @@
+from headgraph.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Analysis: subspaces, Projection Kernel, random reference, significance, composition, roles, centrality."""

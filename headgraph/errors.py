@@ -1,0 +1,37 @@
+"""Errors the CLI turns into one clear line and an exit code (no traceback unless --debug)."""
+
+
+class HeadgraphError(Exception):
+    """A user-facing failure: its message is one line that says what to do."""
+
+    exit_code = 1
+
+
+class UsageError(HeadgraphError):
+    """Bad arguments or parameters."""
+
+    exit_code = 2
+
+
+class ModelUnavailable(HeadgraphError):
+    """A model name or folder that cannot be resolved or loaded offline."""
+
+    exit_code = 2
+
+
+class BadWeights(HeadgraphError):
+    """Weights that are corrupt, mismatched, of the wrong shape or non-finite."""
+
+    exit_code = 2
+
+
+class StoreUnavailable(HeadgraphError):
+    """A graph store that cannot be reached, opened or authenticated against."""
+
+    exit_code = 3
+
+
+class ReadOnlyViolation(HeadgraphError):
+    """A write attempted through a read-only entry point (headgraph cypher)."""
+
+    exit_code = 2

@@ -1,0 +1,1 @@
+"""Loaders: models in (TransformerBridge), graphs out to a store (LadybugDB or Neo4j)."""
