@@ -46,19 +46,19 @@ IOI_TEMPLATES = (
 
 ADJECTIVES = (
     "big", "small", "old", "young", "happy", "quiet", "brave", "tired", "clever", "angry", "gentle", "tall",
-    "lazy", "proud", "red", "strange",
+    "lazy", "proud", "red", "strange", "grumpy",
 )
 NOUNS = (
     "dog", "cat", "teacher", "farmer", "child", "doctor", "bird", "horse", "student", "king", "sailor", "baker",
-    "girl", "boy", "painter", "driver",
+    "girl", "boy", "painter", "driver", "ferret", "walrus", "wombat",
 )
 VERBS = (
     "chased", "saw", "liked", "found", "helped", "followed", "watched", "pushed", "called", "visited", "admired",
-    "feared", "greeted", "thanked", "painted", "carried",
+    "feared", "greeted", "thanked", "painted", "carried", "tickled", "scolded",
 )
 ADVERBS = (
     "quickly", "slowly", "quietly", "happily", "suddenly", "gently", "rarely", "often", "loudly", "calmly",
-    "proudly", "carefully",
+    "proudly", "carefully", "sheepishly", "grudgingly",
 )
 # Grammar templates: word slots and dependency arcs (dependent index, governor index, relation) over word indices.
 GRAMMAR = (
