@@ -6,6 +6,7 @@ import click
 
 from headgraph import __version__
 from headgraph.errors import HeadgraphError
+from headgraph.loader.store import store_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,6 +16,182 @@ from headgraph.errors import HeadgraphError
 def cli(ctx, debug):
     """Map attention heads' subspace affinities (Projection Kernel) and roles as a queryable graph."""
     ctx.obj = {"debug": debug}
+
+
+FORMAT_OPTION = click.option(
+    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
+    help="Output: a table, a JSON list of row objects, or CSV.",
+)
+
+
+@cli.command()
+@click.argument("action", required=False, type=click.Choice(["delete"]))
+@click.argument("run_id", required=False)
+@FORMAT_OPTION
+@store_options
+def runs(action, run_id, fmt, store):
+    """List the runs in the store with their status; `runs delete RUN_ID` removes one."""
+    from headgraph.errors import UsageError
+    from headgraph.loader.store import RUNS_QUERY
+    from headgraph.queries.runner import print_rows
+
+    if action is None:
+        if run_id is not None:
+            raise UsageError(f"unexpected argument {run_id!r}: use `headgraph runs` or `headgraph runs delete RUN_ID`")
+        with store.open(read_only=True) as opened:
+            print_rows(opened.read(RUNS_QUERY), fmt)
+        return
+    if run_id is None:
+        raise UsageError("name the run to delete: headgraph runs delete RUN_ID (ids: headgraph runs)")
+    with store.open() as opened:
+        if not opened.delete_run(run_id):
+            raise UsageError(f"no run {run_id!r} in {opened.description}; `headgraph runs` lists them")
+        click.echo(f"deleted run {run_id} from {opened.description}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--run", "run_id", default=None, metavar="ID", help="Run to query (default: the latest complete run).")
+@click.option("--param", "-p", "params", multiple=True, metavar="KEY=VALUE", help="A query parameter (repeatable).")
+@click.option("--list", "list_queries", is_flag=True, help="List the named queries and their parameters.")
+@FORMAT_OPTION
+@store_options
+def query(name, run_id, params, list_queries, fmt, store):
+    """Run a named Cypher query from the library (headgraph query --list shows them)."""
+    from headgraph.errors import UsageError
+    from headgraph.loader.store import Rows
+    from headgraph.queries.runner import load_query, parse_assignments, print_rows, query_names, run_named
+
+    if list_queries:
+        listed = [load_query(n) for n in query_names()]
+        print_rows(Rows(["query", "parameters", "purpose"], [[q.name, q.usage(), q.purpose] for q in listed]), fmt)
+        return
+    if name is None:
+        raise UsageError("name a query to run, e.g. headgraph query hubs (headgraph query --list shows them)")
+    given = parse_assignments(params)
+    if run_id is not None:
+        if given.get("run", run_id) != run_id:
+            raise UsageError("give the run once: either --run ID or --param run=ID")
+        given["run"] = run_id
+    with store.open(read_only=True) as opened:
+        print_rows(run_named(opened, name, given), fmt)
+
+
+@cli.command()
+@click.argument("statement")
+@click.option("--param", "-p", "params", multiple=True, metavar="KEY=VALUE", help="A parameter; JSON values are parsed.")
+@FORMAT_OPTION
+@store_options
+def cypher(statement, params, fmt, store):
+    """Run ad-hoc read-only Cypher against the store (writes are refused)."""
+    from headgraph.queries.runner import parse_assignments, parse_values, print_rows
+
+    with store.open(read_only=True) as opened:
+        print_rows(opened.read(statement, parse_values(parse_assignments(params))), fmt)
+
+
+@cli.command("roles")
+@click.argument("model")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write roles.parquet and roles.json here.")
+@click.option("--n-inputs", default=200, show_default=True, type=click.IntRange(min=2), help="Inputs per input set.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the generated inputs.")
+@click.option("--tau", default=3.0, show_default=True, help="Sieve bias threshold of the one-sided t-test.")
+@click.option("--alpha", default=0.05, show_default=True, help="Significance level of the decision.")
+@click.option("--correction", type=click.Choice(["none", "bh", "bonferroni"]), default="bh", show_default=True,
+              help="Multiple-testing correction across heads.")
+@click.option("--identity-map", is_flag=True, help="Also print the layer x head map of identity scores.")
+@click.option("--device", default=None, help="torch device (default: cuda when present, else cpu).")
+def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identity_map, device):
+    """Test every head of MODEL for roles (sieve bias t-tests) and print the heads per role per layer."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from headgraph.analysis.roles import compute_roles, identity_map as identity_array, role_table
+    from headgraph.loader.models import load_model
+
+    loaded = load_model(model, processing="raw", device=device)
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
+        heads, meta = compute_roles(loaded, n_inputs, seed, tau, alpha, correction, progress=progress)
+    counts = role_table(heads)
+    console = Console()
+    table = Table(title=f"{loaded.name}: heads per role and layer ({meta['model_kind']}, tau={tau}, "
+                        f"alpha={alpha}, correction={correction}, {n_inputs} inputs per set)")
+    table.add_column("layer")
+    for role in counts.columns:
+        table.add_column(role, justify="right")
+    for layer, row in counts.iterrows():
+        table.add_row(str(layer), *(str(v) for v in row))
+    console.print(table)
+    if identity_map:
+        grid = identity_array(heads)
+        id_table = Table(title="identity score (mean self-attention) by layer (rows) and head (columns)")
+        id_table.add_column("layer")
+        for h in range(grid.shape[1]):
+            id_table.add_column(str(h), justify="right")
+        for layer, row in enumerate(grid):
+            id_table.add_row(str(layer), *(f"{v:.2f}" for v in row))
+        console.print(id_table)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        heads.to_parquet(out / "roles.parquet", index=False)
+        (out / "roles.json").write_text(json.dumps({"model": loaded.name, "source": loaded.source, **meta}, indent=2))
+        console.print(f"wrote {out / 'roles.parquet'} and {out / 'roles.json'}")
+
+
+@cli.command("evaluate")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--classes", "classes_name", default="pk-paper", show_default=True,
+              help="Known classes: ioi (Wang et al. 2023), pk-paper (the PK paper's colouring) or a JSON file "
+                   '{"source": ..., "classes": {"name": ["L5H1", ...]}}.')
+@click.option("--top-k", default=20, show_default=True, type=click.IntRange(min=1), help="Top pairs per type.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def evaluate_command(run_dir, classes_name, top_k, as_json):
+    """PK and Composition Score against known head classes, from RUN_DIR/pairs.parquet.
+
+    Per metric and type (OQ, OK, OV, and all pooled): in-class / out-of-class heads of the top-k graph,
+    and ROC-AUC / PR-AUC at separating pairs with both heads in known classes from the rest.
+    """
+    import json
+    import math
+    from pathlib import Path
+
+    import pandas as pd
+    from rich.console import Console
+    from rich.table import Table
+
+    from headgraph.analysis.classes import load_classes
+    from headgraph.analysis.evaluation import evaluate_pairs
+    from headgraph.errors import UsageError
+
+    path = Path(run_dir) / "pairs.parquet"
+    if not path.is_file():
+        raise UsageError(f"no pairs.parquet in '{run_dir}': run `headgraph analyze` to make a run folder first")
+    classes = load_classes(classes_name)
+    pairs = pd.read_parquet(path)
+    rows = evaluate_pairs(pairs, classes, k=top_k)
+    model_heads = set(pairs["source"]) | set(pairs["target"])
+    present = len(classes.heads & model_heads)
+    if as_json:
+        records = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                   for r in rows.to_dict("records")]
+        click.echo(json.dumps({"run": str(run_dir), "top_k": top_k, "class_heads_in_run": present,
+                               "classes": {"name": classes.name, "source": classes.source, "model": classes.model},
+                               "rows": records}, indent=2, default=int))
+        return
+    console = Console()
+    table = Table(title=f"{classes.name} classes ({present} of {len(classes.heads)} class heads in this run), "
+                        f"top-{top_k} graph per type")
+    for col in rows.columns:
+        table.add_column(col, justify="left" if col in ("metric", "scope") else "right")
+    for r in rows.itertuples(index=False):
+        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r))
+    console.print(table)
+    console.print(f"classes: {classes.source}")
 
 
 def main(argv=None):

@@ -1,0 +1,129 @@
+"""Centrality of heads in the selected (thresholded) head graph, computed with networkx, and the hub report.
+
+Input edges: a DataFrame with `source`, `target`, `kind`, `pk` (one row per selected edge; a head pair may be
+joined by several weight-pair types). Degrees count every typed edge; weighted degrees sum PK. PageRank and
+HITS use the head-pair graph with PK summed over types as weight; betweenness counts hops (unweighted).
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import pandas as pd
+from scipy.stats import spearmanr
+
+MEASURES = (
+    "degree",
+    "in_degree",
+    "out_degree",
+    "weighted_degree",
+    "weighted_in",
+    "weighted_out",
+    "pagerank",
+    "hits_hub",
+    "hits_authority",
+    "betweenness",
+)
+
+
+COUNT_MEASURES = ("degree", "in_degree", "out_degree")
+
+
+def head_graph(edges: pd.DataFrame, heads: list[str]) -> nx.MultiDiGraph:
+    """All heads as nodes, one directed edge per selected typed edge (attributes kind, pk)."""
+    graph = nx.from_pandas_edgelist(
+        edges, "source", "target", edge_attr=["kind", "pk"], create_using=nx.MultiDiGraph
+    )
+    graph.add_nodes_from(heads)
+    return graph
+
+
+def pair_graph(edges: pd.DataFrame, heads: list[str]) -> nx.DiGraph:
+    """One edge per (source, target) head pair, weighted by PK summed over the pair's weight-pair types."""
+    weights = edges.groupby(["source", "target"], as_index=False)["pk"].sum().rename(columns={"pk": "weight"})
+    graph = nx.from_pandas_edgelist(weights, "source", "target", edge_attr="weight", create_using=nx.DiGraph)
+    graph.add_nodes_from(heads)
+    return graph
+
+
+def _hits(pairs: nx.DiGraph) -> tuple[dict, dict]:
+    if pairs.number_of_edges() == 0:
+        zero = dict.fromkeys(pairs.nodes, 0.0)
+        return zero, dict(zero)
+    return nx.hits(pairs, max_iter=1000, normalized=True)
+
+
+def head_centrality(edges: pd.DataFrame, heads: list[str]) -> pd.DataFrame:
+    """One row per head (column `name`) with every measure in MEASURES."""
+    graph = head_graph(edges, heads)
+    pairs = pair_graph(edges, heads)
+    hubs, authorities = _hits(pairs)
+    table = pd.DataFrame(
+        {
+            "in_degree": dict(graph.in_degree()),
+            "out_degree": dict(graph.out_degree()),
+            "degree": dict(graph.degree()),
+            "weighted_in": dict(graph.in_degree(weight="pk")),
+            "weighted_out": dict(graph.out_degree(weight="pk")),
+            "weighted_degree": dict(graph.degree(weight="pk")),
+            "pagerank": nx.pagerank(pairs, weight="weight"),
+            "hits_hub": hubs,
+            "hits_authority": authorities,
+            "betweenness": nx.betweenness_centrality(pairs, normalized=True),
+        }
+    )
+    table = table.reindex(heads)
+    table.index.name = "name"
+    return table.reset_index().astype({m: int if m in COUNT_MEASURES else float for m in MEASURES})
+
+
+def _top(centrality: pd.DataFrame, measure: str, n: int) -> list[str]:
+    ordered = centrality.sort_values([measure, "name"], ascending=[False, True], kind="stable")
+    return ordered["name"].head(n).tolist()
+
+
+def _top_edges(edges: pd.DataFrame, head: str, per_type: int) -> dict[str, dict[str, list[dict]]]:
+    out: dict[str, dict[str, list[dict]]] = {"in": {}, "out": {}}
+    for direction, own, other in (("in", "target", "source"), ("out", "source", "target")):
+        mine = edges[edges[own] == head].sort_values(["kind", "pk"], ascending=[True, False])
+        for kind, group in mine.groupby("kind", sort=True):
+            out[direction][kind] = [
+                {"head": h, "pk": float(p)} for h, p in group[[other, "pk"]].head(per_type).itertuples(index=False)
+            ]
+    return out
+
+
+def hub_report(centrality: pd.DataFrame, edges: pd.DataFrame, top: int = 10, per_type: int = 3) -> dict:
+    """The top heads by degree, which measures agree, and each hub's strongest in/out edges per type.
+
+    Returns plain data: `hubs` (ranked by degree, ties by weighted degree then name; each with its measures,
+    `rank_by` = the head's rank under every measure, `top_in` = the measures whose top-`top` it is in, and
+    `edges` = its top in/out edges per type), `leaders` (the first head under each measure), `consensus`
+    (heads in the top `top` of every measure) and `spearman` (rank correlation between measures)."""
+    ranks = {m: centrality.set_index("name")[m].rank(ascending=False, method="min").astype(int) for m in MEASURES}
+    tops = {m: _top(centrality, m, top) for m in MEASURES}
+    ordered = centrality.sort_values(
+        ["degree", "weighted_degree", "name"], ascending=[False, False, True], kind="stable"
+    ).head(top)
+    hubs = [
+        {
+            "head": row["name"],
+            **{m: int(row[m]) if m in COUNT_MEASURES else float(row[m]) for m in MEASURES},
+            "rank_by": {m: int(ranks[m][row["name"]]) for m in MEASURES},
+            "top_in": [m for m in MEASURES if row["name"] in tops[m]],
+            "edges": _top_edges(edges, row["name"], per_type),
+        }
+        for _, row in ordered.iterrows()
+    ]
+    rho = spearmanr(centrality[list(MEASURES)].to_numpy()).statistic if len(centrality) > 2 else None
+    spearman = (
+        {a: {b: None if pd.isna(rho[i, j]) else float(rho[i, j]) for j, b in enumerate(MEASURES)} for i, a in enumerate(MEASURES)}
+        if rho is not None
+        else {}
+    )
+    return {
+        "measures": list(MEASURES),
+        "hubs": hubs,
+        "leaders": {m: tops[m][0] if tops[m] else None for m in MEASURES},
+        "consensus": [h for h in tops["degree"] if all(h in tops[m] for m in MEASURES)],
+        "spearman": spearman,
+    }

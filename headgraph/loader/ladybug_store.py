@@ -1,0 +1,192 @@
+"""The embedded store: LadybugDB (a Kùzu fork) in one file, typed tables built from the shared schema.
+
+Differences from Neo4j handled here:
+- typed tables must exist before writes (DDL below, generated from the property sets in store.py); a new
+  role property becomes a new Head column (`ALTER TABLE Head ADD IF NOT EXISTS`);
+- edges are written with `COPY <type> FROM <arrow table>` per batch inside the batch's transaction:
+  `UNWIND $rows … MATCH … CREATE` measured ~3.4k edges/s on LadybugDB 0.22, COPY 23k–69k edges/s;
+- one read-write process per file: a second one gets "Could not set lock on file"; we retry briefly,
+  then raise StoreUnavailable;
+- user queries run in `BEGIN TRANSACTION READ ONLY`, so a write is refused even on a read-write open.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+import ladybug
+import pandas as pd
+import pyarrow as pa
+
+from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.loader.store import (
+    DEFAULT_BATCH_SIZE,
+    EDGE_PROPERTIES,
+    HEAD_PROPERTIES,
+    KINDS,
+    MODEL_PROPERTIES,
+    RUN_PROPERTIES,
+    GraphStore,
+    Rows,
+    check_kind,
+    check_run_id,
+)
+
+LOCK_TIMEOUT_S = 10.0
+_ARROW_TYPES = {
+    "STRING": pa.string(),
+    "INT64": pa.int64(),
+    "DOUBLE": pa.float64(),
+    "BOOLEAN": pa.bool_(),
+    "STRING[]": pa.list_(pa.string()),
+}
+_READ_ONLY_REFUSALS = ("read-only transaction", "read-only database", "READ ONLY mode")
+
+
+def _columns(properties: Mapping[str, str]) -> str:
+    return ", ".join(f"{name} {kind}" for name, kind in properties.items())
+
+
+def schema_ddl() -> list[str]:
+    """CREATE statements for every table (idempotent)."""
+    return [
+        f"CREATE NODE TABLE IF NOT EXISTS Model({_columns(MODEL_PROPERTIES)}, PRIMARY KEY(name))",
+        f"CREATE NODE TABLE IF NOT EXISTS Run({_columns(RUN_PROPERTIES)}, PRIMARY KEY(id))",
+        f"CREATE NODE TABLE IF NOT EXISTS Head({_columns(HEAD_PROPERTIES)}, PRIMARY KEY(key))",
+        "CREATE REL TABLE IF NOT EXISTS OF_MODEL(FROM Run TO Model)",
+        *(f"CREATE REL TABLE IF NOT EXISTS {kind}(FROM Head TO Head, {_columns(EDGE_PROPERTIES)})" for kind in KINDS),
+    ]
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.Database:
+    deadline = time.monotonic() + lock_timeout
+    while True:
+        try:
+            return ladybug.Database(path, read_only=read_only)
+        except RuntimeError as e:
+            message = str(e)
+            if "Could not set lock" not in message:
+                raise StoreUnavailable(f"cannot open the embedded store {path}: {_first_line(e)}") from None
+            if time.monotonic() >= deadline:
+                holder = re.search(r"Lock is held by PID (\d+)", message)
+                by = f" (PID {holder.group(1)})" if holder else ""
+                raise StoreUnavailable(
+                    f"the embedded store {path} is in use by another process{by}; "
+                    "wait for it to finish or pass another --db PATH"
+                ) from None
+            time.sleep(0.2)
+
+
+def _plain(value: Any) -> Any:
+    """LadybugDB values as plain Python: no internal ids, Decimal sums as numbers."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        if "_NODES" in value:
+            return {"nodes": _plain(value["_NODES"]), "relationships": _plain(value["_RELS"])}
+        out = {"_label": value["_LABEL"]} if "_LABEL" in value else {}
+        out.update({k: _plain(v) for k, v in value.items() if k not in ("_ID", "_SRC", "_DST", "_LABEL")})
+        return out
+    return value
+
+
+class LadybugStore(GraphStore):
+    """The embedded store at a file path (created on first read-write open)."""
+
+    def __init__(self, path: str | os.PathLike, read_only: bool = False, lock_timeout: float = LOCK_TIMEOUT_S):
+        self.path = str(path)
+        self.read_only = read_only
+        self.description = f"LadybugDB at {self.path}"
+        if read_only and not os.path.exists(self.path):
+            raise StoreUnavailable(f"no headgraph store at {self.path}: run `headgraph analyze` first or pass --db PATH")
+        self._db = _open_database(self.path, read_only, lock_timeout)
+        self._conn = ladybug.Connection(self._db)
+        self._head_columns: set[str] = set()
+        if read_only:
+            tables = {row[0] for row in self._conn.execute("CALL show_tables() RETURN name").get_all()}
+            if "Run" not in tables:
+                self.close()
+                raise StoreUnavailable(f"{self.path} holds no headgraph runs: run `headgraph analyze` first")
+        else:
+            self.ensure_schema()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._db.close()
+            self._conn = None
+
+    def ensure_schema(self, extra_head_properties: Mapping[str, str] | None = None) -> None:
+        if not self._head_columns:
+            for statement in schema_ddl():
+                self._conn.execute(statement)
+            info = self._conn.execute("CALL table_info('Head') RETURN name").get_all()
+            self._head_columns = {row[0] for row in info}
+        for name, kind in {**HEAD_PROPERTIES, **(extra_head_properties or {})}.items():
+            if name not in self._head_columns:
+                self._conn.execute(f"ALTER TABLE Head ADD IF NOT EXISTS {name} {kind}")
+                self._head_columns.add(name)
+
+    def _execute_in_transaction(self, begin: str, statements: list[tuple[str, dict[str, Any]]]) -> Any:
+        self._conn.execute(begin)
+        try:
+            results = [self._conn.execute(cypher, params) for cypher, params in statements]
+            self._conn.execute("COMMIT")
+        except BaseException:
+            try:
+                self._conn.execute("ROLLBACK")
+            except RuntimeError:
+                pass  # the failed statement already ended the transaction
+            raise
+        return results
+
+    def _write(self, statements: list[tuple[str, dict[str, Any]]]) -> None:
+        try:
+            self._execute_in_transaction("BEGIN TRANSACTION", statements)
+        except RuntimeError as e:
+            if any(marker in str(e) for marker in _READ_ONLY_REFUSALS):
+                raise ReadOnlyViolation(f"{self.description} is open read-only; writes are refused") from None
+            raise
+
+    def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
+        try:
+            (result,) = self._execute_in_transaction("BEGIN TRANSACTION READ ONLY", [(cypher, dict(params or {}))])
+        except RuntimeError as e:
+            if any(marker in str(e) for marker in _READ_ONLY_REFUSALS):
+                raise ReadOnlyViolation("this Cypher would write; only read queries are allowed here") from None
+            raise UsageError(f"LadybugDB rejected the query: {_first_line(e)}") from None
+        if isinstance(result, list):
+            result = result[-1]
+        return Rows(result.get_column_names(), [[_plain(v) for v in row] for row in result.get_all()])
+
+    def _write_edges(self, kind: str, edges: pd.DataFrame) -> None:
+        names = ["source_key", "target_key", *EDGE_PROPERTIES]
+        schema = pa.schema(
+            [("source_key", pa.string()), ("target_key", pa.string())]
+            + [(n, _ARROW_TYPES[t]) for n, t in EDGE_PROPERTIES.items()]
+        )
+        table = pa.Table.from_pandas(edges.reindex(columns=names), schema=schema, preserve_index=False)
+        self._write([(f"COPY {check_kind(kind)} FROM $rows", {"rows": table})])
+
+    def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
+        check_run_id(run_id)
+        found = self.read("MATCH (r:Run) WHERE r.id = $run RETURN count(r)", {"run": run_id}).rows[0][0]
+        self._write(
+            [
+                ("MATCH (h:Head) WHERE h.run_id = $run DETACH DELETE h", {"run": run_id}),
+                ("MATCH (r:Run) WHERE r.id = $run DETACH DELETE r", {"run": run_id}),
+                ("MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m", {}),
+            ]
+        )
+        return found > 0

@@ -1,0 +1,160 @@
+"""The Neo4j store: uniqueness constraints and indexes created before loading, batched managed transactions,
+user queries in READ_ACCESS sessions through `execute_read` (the server refuses writes there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import neo4j
+from neo4j import GraphDatabase
+from neo4j.exceptions import AuthError, ClientError, ConfigurationError, Neo4jError, ServiceUnavailable, SessionExpired
+from neo4j.graph import Node, Path, Relationship
+
+from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.loader.store import DEFAULT_BATCH_SIZE, GraphStore, Rows, check_run_id
+
+SCHEMA = (
+    "CREATE CONSTRAINT head_key IF NOT EXISTS FOR (h:Head) REQUIRE h.key IS UNIQUE",
+    "CREATE CONSTRAINT run_id IF NOT EXISTS FOR (r:Run) REQUIRE r.id IS UNIQUE",
+    "CREATE CONSTRAINT model_name IF NOT EXISTS FOR (m:Model) REQUIRE m.name IS UNIQUE",
+    "CREATE INDEX head_run_id IF NOT EXISTS FOR (h:Head) ON (h.run_id)",
+    "CREATE INDEX head_name IF NOT EXISTS FOR (h:Head) ON (h.name)",
+    "CREATE INDEX run_status IF NOT EXISTS FOR (r:Run) ON (r.status)",
+)
+ACCESS_MODE_CODES = ("Neo.ClientError.Statement.AccessMode", "Neo.ClientError.General.ForbiddenOnReadOnlyDatabase")
+
+
+def _first_line(error: Exception) -> str:
+    text = getattr(error, "message", None) or str(error)
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def connect(uri: str, user: str, password: str) -> neo4j.Driver:
+    """A driver with verified connectivity and credentials; failures become one-line StoreUnavailable."""
+    try:
+        driver = GraphDatabase.driver(uri, auth=(user, password))
+    except (ConfigurationError, ValueError) as e:
+        raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({_first_line(e)}); use e.g. bolt://127.0.0.1:7687") from None
+    try:
+        driver.verify_connectivity()
+    except AuthError:
+        driver.close()
+        raise StoreUnavailable(
+            f"Neo4j at {uri} refused user {user!r}: set NEO4J_USER / NEO4J_PASSWORD to valid credentials"
+        ) from None
+    except (ServiceUnavailable, SessionExpired, OSError):
+        driver.close()
+        raise StoreUnavailable(
+            f"cannot reach Neo4j at {uri}: start it (scripts/neo4j-local start) or check --neo4j / NEO4J_URI"
+        ) from None
+    return driver
+
+
+def _plain(value: Any) -> Any:
+    """Driver graph types as plain Python, shaped like the embedded store's values."""
+    if isinstance(value, Node):
+        return {"_label": ":".join(sorted(value.labels)), **{k: _plain(v) for k, v in value.items()}}
+    if isinstance(value, Relationship):
+        return {"_label": value.type, **{k: _plain(v) for k, v in value.items()}}
+    if isinstance(value, Path):
+        return {"nodes": [_plain(n) for n in value.nodes], "relationships": [_plain(r) for r in value.relationships]}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class Neo4jStore(GraphStore):
+    """A Neo4j database reached over Bolt."""
+
+    def __init__(self, uri: str, user: str, password: str, database: str = "neo4j", read_only: bool = False):
+        self.uri, self.database, self.read_only = uri, database, read_only
+        self.description = f"Neo4j at {uri} (database {database})"
+        self.driver = connect(uri, user, password)
+        if not read_only:
+            self.ensure_schema()
+
+    def close(self) -> None:
+        self.driver.close()
+
+    def _session(self, access_mode: str):
+        return self.driver.session(database=self.database, default_access_mode=access_mode)
+
+    def _guarded(self, work: Callable[[], Any]) -> Any:
+        try:
+            return work()
+        except (ServiceUnavailable, SessionExpired) as e:
+            raise StoreUnavailable(f"lost the connection to {self.description}: {_first_line(e)}") from None
+        except ClientError as e:
+            if e.code in ACCESS_MODE_CODES:
+                raise ReadOnlyViolation("this Cypher would write; only read queries are allowed here") from None
+            if e.code == "Neo.ClientError.Database.DatabaseNotFound":
+                raise StoreUnavailable(f"{self.description}: no such database; set NEO4J_DATABASE") from None
+            raise
+
+    def ensure_schema(self, extra_head_properties: Mapping[str, str] | None = None) -> None:
+        """Constraints and indexes; Neo4j needs nothing per extra property (it is schemaless)."""
+
+        def create() -> None:
+            with self._session(neo4j.WRITE_ACCESS) as session:
+                for statement in SCHEMA:
+                    session.run(statement).consume()
+                session.run("CALL db.awaitIndexes(300)").consume()
+
+        if self.read_only:
+            raise ReadOnlyViolation(f"{self.description} is open read-only; writes are refused")
+        self._guarded(create)
+
+    def _write(self, statements: list[tuple[str, dict[str, Any]]]) -> None:
+        def work(tx) -> None:
+            for cypher, params in statements:
+                tx.run(cypher, params).consume()
+
+        def run() -> None:
+            with self._session(neo4j.WRITE_ACCESS) as session:
+                session.execute_write(work)
+
+        self._guarded(run)
+
+    def _write_count(self, cypher: str, params: dict[str, Any]) -> int:
+        def work(tx) -> int:
+            return tx.run(cypher, params).single()[0]
+
+        def run() -> int:
+            with self._session(neo4j.WRITE_ACCESS) as session:
+                return session.execute_write(work)
+
+        return self._guarded(run)
+
+    def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
+        def work(tx) -> Rows:
+            result = tx.run(cypher, dict(params or {}))
+            return Rows(list(result.keys()), [[_plain(v) for v in record.values()] for record in result])
+
+        def run() -> Rows:
+            with self._session(neo4j.READ_ACCESS) as session:
+                return session.execute_read(work)
+
+        try:
+            return self._guarded(run)
+        except Neo4jError as e:
+            raise UsageError(f"Neo4j rejected the query: {_first_line(e)}") from None
+
+    def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
+        """Hide the run first (status 'deleting'), then delete edges and heads in batches, then the Run."""
+        check_run_id(run_id)
+        params = {"run": run_id, "n": batch_size}
+        found = self._write_count("MATCH (r:Run {id: $run}) SET r.status = 'deleting' RETURN count(r)", params)
+        while self._write_count("MATCH (:Head {run_id: $run})-[e]->() WITH e LIMIT $n DELETE e RETURN count(*)", params):
+            pass
+        while self._write_count("MATCH (h:Head {run_id: $run}) WITH h LIMIT $n DETACH DELETE h RETURN count(*)", params):
+            pass
+        self._write(
+            [
+                ("MATCH (r:Run {id: $run}) DETACH DELETE r", params),
+                ("MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m", {}),
+            ]
+        )
+        return found > 0

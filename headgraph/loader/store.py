@@ -1,0 +1,400 @@
+"""One interface over the two graph stores (embedded LadybugDB, Neo4j server) and the schema both share.
+
+The property sets below are the single definition of the graph's schema: LadybugDB turns them into typed
+tables, Neo4j gets the same property names and values (plus constraints). Loading is generic Cypher run
+through `GraphStore._write` (one transaction per call); a backend overrides a step only where its engine
+needs it.
+
+Visibility contract: a run is loaded as `Run.status = 'loading'`, its heads and edges in batches of
+`batch_size` rows (one transaction each), and `status = 'complete'` is set in the last transaction. Every
+named query matches `Run.status = 'complete'`, so an interrupted load is never seen; loading a run id
+again first deletes whatever exists under that id (complete or not), so the store keeps one copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import click
+import pandas as pd
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from headgraph.errors import UsageError
+
+if TYPE_CHECKING:
+    from headgraph.loader.graph import RunGraph
+
+DEFAULT_DB = "./headgraph.lbdb"
+DEFAULT_BATCH_SIZE = 5000
+
+WEIGHT_TYPES = ("Q", "K", "V", "O")
+KINDS = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
+"""Every weight-pair relationship type ("OQ", "OK", ...): source type then target type."""
+
+# Property name -> LadybugDB column type. Neo4j stores the same names (it is schemaless).
+MODEL_PROPERTIES = {
+    "name": "STRING",
+    "architecture": "STRING",
+    "n_layers": "INT64",
+    "n_heads": "INT64",
+    "n_kv_heads": "INT64",
+    "d_model": "INT64",
+    "d_head": "INT64",
+    "n_ctx": "INT64",
+}
+RUN_PROPERTIES = {
+    "id": "STRING",
+    "model": "STRING",
+    "source": "STRING",
+    "processing": "STRING",
+    "types": "STRING[]",
+    "top_k": "INT64",
+    "max_q": "DOUBLE",
+    "min_z": "DOUBLE",
+    "policy": "STRING",
+    "created": "STRING",
+    "status": "STRING",
+    "n_heads": "INT64",
+    "n_edges": "INT64",
+    "params": "STRING",
+}
+CENTRALITY_PROPERTIES = {
+    "in_degree": "INT64",
+    "out_degree": "INT64",
+    "degree": "INT64",
+    "weighted_in": "DOUBLE",
+    "weighted_out": "DOUBLE",
+    "weighted_degree": "DOUBLE",
+    "pagerank": "DOUBLE",
+    "hits_hub": "DOUBLE",
+    "hits_authority": "DOUBLE",
+    "betweenness": "DOUBLE",
+}
+HEAD_PROPERTIES = {
+    "key": "STRING",
+    "name": "STRING",
+    "layer": "INT64",
+    "head": "INT64",
+    "run_id": "STRING",
+    "model": "STRING",
+    "rank_q": "INT64",
+    "rank_k": "INT64",
+    "rank_v": "INT64",
+    "rank_o": "INT64",
+    "classes": "STRING[]",
+    "identity_score": "DOUBLE",
+    "identity_p": "DOUBLE",
+    "identity_sig": "BOOLEAN",
+    **CENTRALITY_PROPERTIES,
+}
+EDGE_PROPERTIES = {
+    "kind": "STRING",
+    "run_id": "STRING",
+    "source": "STRING",
+    "target": "STRING",
+    "source_layer": "INT64",
+    "target_layer": "INT64",
+    "pk": "DOUBLE",
+    "pk_norm": "DOUBLE",
+    "z_iso": "DOUBLE",
+    "log10_p_iso": "DOUBLE",
+    "p_model": "DOUBLE",
+    "q_model": "DOUBLE",
+    "cs": "DOUBLE",
+    "rank": "INT64",
+}
+"""Edges carry their endpoints' names and layers so queries never need startNode() (LadybugDB lacks it)."""
+
+EXTRA_HEAD_SUFFIXES = {"_score": "DOUBLE", "_p": "DOUBLE", "_sig": "BOOLEAN"}
+"""Role results added later (`<role>_score`, `<role>_p`, `<role>_sig`) become Head properties of these types."""
+
+_IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+RUNS_QUERY = """
+MATCH (r:Run)
+RETURN r.id AS id, r.model AS model, r.processing AS processing, r.types AS types, r.policy AS policy,
+       r.created AS created, r.status AS status, r.n_heads AS heads, r.n_edges AS edges
+ORDER BY created, id
+"""
+LATEST_RUN_QUERY = """
+MATCH (r:Run) WHERE r.status = 'complete'
+RETURN r.id AS id ORDER BY r.created DESC, r.id DESC LIMIT 1
+"""
+
+
+def head_property_type(name: str) -> str:
+    """The column type of a Head property: a schema property, or a role result named by its suffix."""
+    if name in HEAD_PROPERTIES:
+        return HEAD_PROPERTIES[name]
+    if _IDENTIFIER.match(name):
+        for suffix, kind in EXTRA_HEAD_SUFFIXES.items():
+            if name.endswith(suffix) and len(name) > len(suffix):
+                return kind
+    raise UsageError(
+        f"cannot store head property {name!r}: use a schema property or a role result named <role>_score/_p/_sig"
+    )
+
+
+def extra_head_properties(names) -> dict[str, str]:
+    """The properties among `names` that are not in the base Head schema, with their types."""
+    return {n: head_property_type(n) for n in names if n not in HEAD_PROPERTIES}
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id usable inside Head keys ("<run_id>/L4H7"): letters, digits and . _ : - only."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise UsageError(f"bad run id {run_id!r}: use letters, digits and . _ : - (no spaces or slashes)")
+    return run_id
+
+
+def check_kind(kind: str) -> str:
+    """A weight-pair type, checked before it is put into Cypher as a relationship type."""
+    if kind not in KINDS:
+        raise UsageError(f"unknown weight-pair type {kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """DataFrame rows as plain-Python dicts for query parameters (NaN -> None, numpy scalars -> Python)."""
+    plain = frame.astype(object).where(frame.notna(), None)
+    return [
+        {k: (v.item() if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v) for k, v in row.items()}
+        for row in plain.to_dict("records")
+    ]
+
+
+def batches(frame: pd.DataFrame, batch_size: int) -> list[pd.DataFrame]:
+    """Consecutive slices of at most `batch_size` rows."""
+    return [frame.iloc[i : i + batch_size] for i in range(0, len(frame), batch_size)]
+
+
+def _present(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The non-null entries (a parameter column of nulls only would get no usable type in LadybugDB)."""
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def _property_map(variable: str, names) -> str:
+    return "{" + ", ".join(f"{n}: {variable}.{n}" for n in names) + "}"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A query result: column names and row value lists, in order."""
+
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row)) for row in self.rows]
+
+
+class GraphStore(ABC):
+    """A graph store holding runs of the head graph; use as a context manager."""
+
+    description: str = ""
+
+    def __enter__(self) -> GraphStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection / file lock."""
+
+    @abstractmethod
+    def ensure_schema(self, extra_head_properties: Mapping[str, str] | None = None) -> None:
+        """Create tables or constraints and indexes (idempotent); add Head columns for extra properties."""
+
+    @abstractmethod
+    def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
+        """Run a read-only query; a write attempt raises ReadOnlyViolation, a bad query UsageError."""
+
+    @abstractmethod
+    def _write(self, statements: list[tuple[str, dict[str, Any]]]) -> None:
+        """Run the statements in one write transaction (all or nothing)."""
+
+    @abstractmethod
+    def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
+        """Remove a run (its heads, edges and Run node; its Model when no run uses it). True if it existed."""
+
+    # --- loading -------------------------------------------------------------------------------------
+
+    def load_run(
+        self,
+        graph: RunGraph,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        after_batch: Callable[[int, int], None] | None = None,
+        cleanup_on_error: bool = True,
+        progress: bool = True,
+    ) -> None:
+        """Store one run so that it becomes visible only once complete; replaces an earlier copy.
+
+        `after_batch(done, total)` is called after each committed batch (progress hooks, fault injection).
+        On an error the partial run is deleted when `cleanup_on_error`; otherwise it stays invisible
+        (status 'loading') until the next load of the same id or `delete_run` removes it.
+        """
+        if batch_size < 1:
+            raise UsageError(f"batch size must be at least 1, got {batch_size}")
+        run_id = check_run_id(graph.run["id"])
+        self.ensure_schema(graph.extra_head_properties)
+        self.delete_run(run_id, batch_size)
+        steps = [(self._write_heads, part) for part in batches(graph.heads, batch_size)]
+        for kind, edges in graph.edges.groupby("kind", sort=True):
+            steps += [(functools.partial(self._write_edges, check_kind(kind)), part) for part in batches(edges, batch_size)]
+        try:
+            self._begin_run(graph.run, graph.model)
+            with _load_progress(progress, run_id, len(steps)) as advance:
+                for done, (write, part) in enumerate(steps, start=1):
+                    write(part)
+                    advance()
+                    if after_batch is not None:
+                        after_batch(done, len(steps))
+            self._complete_run(run_id, len(graph.heads), len(graph.edges))
+        except BaseException:
+            if cleanup_on_error:
+                self.delete_run(run_id, batch_size)
+            raise
+
+    def _begin_run(self, run: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+        run_row = _present({name: run.get(name) for name in RUN_PROPERTIES} | {"status": "loading"})
+        model_row = _present({name: model.get(name) for name in MODEL_PROPERTIES})
+        model_update = [
+            (f"UNWIND $rows AS row MATCH (m:Model {{name: row.name}}) SET {_set_list('m', 'row', model_row, skip='name')}", {"rows": [model_row]})
+        ] if len(model_row) > 1 else []
+        self._write(
+            [
+                ("MERGE (:Model {name: $name})", {"name": model_row["name"]}),
+                *model_update,
+                (f"UNWIND $rows AS row CREATE (:Run {_property_map('row', run_row)})", {"rows": [run_row]}),
+                (
+                    "MATCH (r:Run {id: $run}), (m:Model {name: $model}) CREATE (r)-[:OF_MODEL]->(m)",
+                    {"run": run_row["id"], "model": model_row["name"]},
+                ),
+            ]
+        )
+
+    def _write_heads(self, heads: pd.DataFrame) -> None:
+        names = [c for c in heads.columns if heads[c].notna().any()]
+        cypher = f"UNWIND $rows AS row CREATE (:Head {_property_map('row', names)})"
+        self._write([(cypher, {"rows": records(heads[names])})])
+
+    def _write_edges(self, kind: str, edges: pd.DataFrame) -> None:
+        names = [n for n in EDGE_PROPERTIES if edges[n].notna().any()]
+        rows = records(edges[["source_key", "target_key", *names]])
+        cypher = (
+            "UNWIND $rows AS row MATCH (a:Head {key: row.source_key}), (b:Head {key: row.target_key}) "
+            f"CREATE (a)-[:{check_kind(kind)} {_property_map('row', names)}]->(b)"
+        )
+        self._write([(cypher, {"rows": rows})])
+
+    def _complete_run(self, run_id: str, n_heads: int, n_edges: int) -> None:
+        self._write(
+            [
+                (
+                    "MATCH (r:Run {id: $run}) SET r.status = 'complete', r.n_heads = $n_heads, r.n_edges = $n_edges",
+                    {"run": run_id, "n_heads": n_heads, "n_edges": n_edges},
+                )
+            ]
+        )
+
+    def set_head_properties(self, run_id: str, values: pd.DataFrame, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        """Write per-head values (a `name` column plus property columns) onto the run's Head nodes."""
+        check_run_id(run_id)
+        props = [c for c in values.columns if c != "name"]
+        self.ensure_schema(extra_head_properties(props))
+        keyed = values.assign(key=run_id + "/" + values["name"].astype(str))[["key", *props]]
+        cypher = f"UNWIND $rows AS row MATCH (h:Head {{key: row.key}}) SET {_set_list('h', 'row', props)}"
+        for part in batches(keyed, batch_size):
+            self._write([(cypher, {"rows": records(part)})])
+
+    # --- reading -------------------------------------------------------------------------------------
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run in the store (complete or not), oldest first."""
+        return self.read(RUNS_QUERY).records()
+
+    def latest_run(self) -> str | None:
+        """The id of the most recently created complete run, or None."""
+        rows = self.read(LATEST_RUN_QUERY).rows
+        return rows[0][0] if rows else None
+
+
+def _set_list(variable: str, source: str, names, skip: str | None = None) -> str:
+    return ", ".join(f"{variable}.{n} = {source}.{n}" for n in names if n != skip)
+
+
+@contextmanager
+def _load_progress(enabled: bool, run_id: str, total: int):
+    """A rich progress bar over load batches; yields `advance()`."""
+    if not enabled:
+        yield lambda: None
+        return
+    columns = (TextColumn("storing run {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(run_id, total=total)
+        yield lambda: bar.advance(task)
+
+
+# --- store selection ---------------------------------------------------------------------------------
+
+
+def open_store(
+    db: str | os.PathLike | None = None,
+    neo4j: str | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    read_only: bool = False,
+) -> GraphStore:
+    """Open the store the user selected: Neo4j when a URI is given (or NEO4J_URI is set and no --db),
+    else the embedded LadybugDB at `db` / HEADGRAPH_DB / ./headgraph.lbdb."""
+    if db is not None and neo4j:
+        raise UsageError("give either --db PATH (embedded store) or --neo4j URI, not both")
+    uri = neo4j or (None if db is not None else os.environ.get("NEO4J_URI") or None)
+    if uri:
+        from headgraph.loader.neo4j_store import Neo4jStore
+
+        return Neo4jStore(
+            uri,
+            user or os.environ.get("NEO4J_USER") or "neo4j",
+            password if password is not None else os.environ.get("NEO4J_PASSWORD", ""),
+            database=os.environ.get("NEO4J_DATABASE") or "neo4j",
+            read_only=read_only,
+        )
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    return LadybugStore(db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB, read_only=read_only)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """The store chosen on the command line; `open()` it when needed."""
+
+    db: str | None = None
+    neo4j: str | None = None
+    user: str | None = None
+
+    def open(self, read_only: bool = False) -> GraphStore:
+        return open_store(self.db, self.neo4j, self.user, read_only=read_only)
+
+
+def store_options(command: Callable) -> Callable:
+    """Click options --db / --neo4j / --neo4j-user, passed to the command as one `store: StoreSpec`."""
+
+    @click.option("--neo4j-user", default=None, metavar="USER", help="Neo4j user (env NEO4J_USER, default neo4j); password from env NEO4J_PASSWORD.")
+    @click.option("--neo4j", "neo4j", default=None, metavar="URI", help="Use a Neo4j server, e.g. bolt://127.0.0.1:7687 (env NEO4J_URI).")
+    @click.option("--db", default=None, metavar="PATH", help=f"Embedded LadybugDB store (env HEADGRAPH_DB, default {DEFAULT_DB}).")
+    @functools.wraps(command)
+    def wrapper(*args, db, neo4j, neo4j_user, **kwargs):
+        return command(*args, store=StoreSpec(db, neo4j, neo4j_user), **kwargs)
+
+    return wrapper

@@ -1,0 +1,210 @@
+"""The named Cypher query library: parse each file's header, check and cast parameters, run, format.
+
+A query file starts with `//` comment lines: free text (its purpose), then one line per parameter:
+
+    // param <name>: <type> [= <default>] -- <description>
+
+Types: string, int, float, list (comma-separated strings), head (L4H7), node (a head L4H7 or a layer L4).
+A parameter without a default is required, except `run`, which defaults to the latest complete run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from headgraph.errors import UsageError
+from headgraph.loader.store import GraphStore, Rows
+
+_PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
+_HEAD = re.compile(r"^L\d+H\d+$")
+_NODE = re.compile(r"^L\d+(H\d+)?$")
+
+
+def _cast_list(text: str) -> list[str]:
+    return [item.strip() for item in text.strip().strip("[]").split(",") if item.strip()]
+
+
+def _cast_pattern(pattern: re.Pattern, what: str):
+    def cast(text: str) -> str:
+        if not pattern.match(text):
+            raise ValueError(f"expected {what}")
+        return text
+
+    return cast
+
+
+CASTS = {
+    "string": str,
+    "int": int,
+    "float": float,
+    "list": _cast_list,
+    "head": _cast_pattern(_HEAD, "a head name like L4H7"),
+    "node": _cast_pattern(_NODE, "a head (L4H7) or a layer (L4)"),
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: str
+    default: str | None
+    description: str
+
+    @property
+    def required(self) -> bool:
+        return self.default is None and self.name != "run"
+
+    def cast(self, text: str) -> Any:
+        try:
+            return CASTS[self.type](text)
+        except ValueError as e:
+            detail = str(e) if self.type in ("head", "node") else f"expected {self.type}"
+            raise UsageError(f"bad value {text!r} for parameter {self.name}: {detail}") from None
+
+
+@dataclass(frozen=True)
+class NamedQuery:
+    name: str
+    purpose: str
+    params: tuple[Param, ...]
+    cypher: str
+
+    def usage(self) -> str:
+        return " ".join(f"{p.name}=<{p.type}>" if p.required else f"[{p.name}={p.default or 'latest'}]" for p in self.params)
+
+
+def parse_query(name: str, text: str) -> NamedQuery:
+    """A query file's purpose (header text), declared parameters and Cypher body."""
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("//"):
+            break
+        header.append(line)
+    purpose, params = [], []
+    for line in header:
+        match = _PARAM.match(line)
+        if line.lstrip("/ ").startswith("param ") and (match is None or match.group(2) not in CASTS):
+            raise ValueError(f"{name}.cypher: malformed parameter line {line!r}")
+        if match:
+            params.append(Param(*match.groups()))
+        else:
+            purpose.append(line.lstrip("/").strip())
+    return NamedQuery(name, " ".join(p for p in purpose if p), tuple(params), text)
+
+
+def query_names() -> list[str]:
+    """Every named query shipped with headgraph."""
+    files = resources.files("headgraph.queries").iterdir()
+    return sorted(f.name[: -len(".cypher")] for f in files if f.name.endswith(".cypher"))
+
+
+def load_query(name: str) -> NamedQuery:
+    """The named query `name`; an unknown name raises UsageError listing the known ones."""
+    if name not in query_names():
+        raise UsageError(f"unknown query {name!r}: choose one of {', '.join(query_names())} (headgraph query --list)")
+    return parse_query(name, resources.files("headgraph.queries").joinpath(f"{name}.cypher").read_text())
+
+
+def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """`key=value` strings (from --param) as a dict; a malformed one raises UsageError."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"bad --param {item!r}: write it as key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_values(assignments: dict[str, str]) -> dict[str, Any]:
+    """Ad-hoc Cypher parameters: each value read as JSON when it parses (numbers, lists, true), else a string."""
+    out = {}
+    for key, text in assignments.items():
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def bind_params(query: NamedQuery, given: dict[str, str], store: GraphStore) -> dict[str, Any]:
+    """Check `given` against the query's declared parameters, cast them, fill defaults and the latest run."""
+    declared = {p.name: p for p in query.params}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise UsageError(f"query {query.name} has no parameter {', '.join(unknown)} (takes: {query.usage()})")
+    missing = [p.name for p in query.params if p.required and p.name not in given]
+    if missing:
+        raise UsageError(f"query {query.name} needs --param {' --param '.join(f'{m}=…' for m in missing)} (takes: {query.usage()})")
+    bound = {}
+    for p in query.params:
+        if p.name in given:
+            bound[p.name] = p.cast(given[p.name])
+        elif p.default is not None:
+            bound[p.name] = p.cast(p.default)
+    if "run" in declared and "run" not in bound:
+        latest = store.latest_run()
+        if latest is None:
+            raise UsageError(f"{store.description} holds no complete run; run `headgraph analyze` first")
+        bound["run"] = latest
+    return bound
+
+
+def run_named(store: GraphStore, name: str, params: dict[str, str] | None = None) -> Rows:
+    """Run the named query with `params` given as strings (cast per its header)."""
+    query = load_query(name)
+    return store.read(query.cypher, bind_params(query, params or {}, store))
+
+
+# --- output ------------------------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def format_rows(rows: Rows, fmt: str) -> str | Table:
+    """`json`: a JSON list of row objects; `csv`: header + rows (lists joined by ';'); `table`: a rich Table."""
+    if fmt == "json":
+        return json.dumps(rows.records(), indent=2, default=str)
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(rows.columns)
+        for row in rows.rows:
+            writer.writerow(["; ".join(map(str, v)) if isinstance(v, list) else ("" if v is None else v) for v in row])
+        return buffer.getvalue()
+    if fmt == "table":
+        table = Table(*rows.columns, show_lines=False)
+        for row in rows.rows:
+            table.add_row(*(escape(_cell(v)) for v in row))
+        return table
+    raise UsageError(f"unknown format {fmt!r}: use table, json or csv")
+
+
+def print_rows(rows: Rows, fmt: str, console: Console | None = None) -> None:
+    """Write rows to stdout in the chosen format (tables through rich, json/csv as plain text)."""
+    out = format_rows(rows, fmt)
+    if isinstance(out, str):
+        click.echo(out, nl=not out.endswith("\n"))
+    else:
+        (console or Console()).print(out)

@@ -1,0 +1,54 @@
+"""Synthetic analysis tables (pairs + heads, the artifact contract) with a planted hub, for the store,
+query and centrality tests: no model or PK computation needed.
+
+Every earlier->later head pair of each type gets PK ~ N(5, 0.1); the hub's OV in-edges (from every earlier
+head) and OQ/OK out-edges (to every later head) get +`boost`, so the top-20 graph of each type holds all of
+them and the hub has by far the highest degree.
+"""
+
+import numpy as np
+import pandas as pd
+
+HUB = "L2H1"
+
+
+def planted_pairs(n_layers=6, n_heads=4, types=("OQ", "OK", "OV"), seed=0, hub=HUB, boost=1.0):
+    """(pairs, heads) DataFrames with the columns of pairs.parquet / heads.parquet."""
+    rng = np.random.default_rng(seed)
+    layer, head = (a.ravel() for a in np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij"))
+    names = np.array([f"L{l}H{h}" for l, h in zip(layer, head)])
+    src, tgt = (a.ravel() for a in np.meshgrid(np.arange(len(names)), np.arange(len(names)), indexing="ij"))
+    keep = layer[src] < layer[tgt]
+    src, tgt = src[keep], tgt[keep]
+    frames = []
+    for kind in types:
+        pk = rng.normal(5.0, 0.1, len(src))
+        planted = (names[tgt] == hub) if kind == "OV" else (names[src] == hub)
+        pk = pk + boost * planted
+        frames.append(
+            pd.DataFrame(
+                {
+                    "source": names[src],
+                    "target": names[tgt],
+                    "source_layer": layer[src],
+                    "source_head": head[src],
+                    "target_layer": layer[tgt],
+                    "target_head": head[tgt],
+                    "source_type": kind[0],
+                    "target_type": kind[1],
+                    "pk": pk,
+                    "pk_norm": pk / 16.0,
+                    "z_iso": (pk - 4.0) / 0.1,
+                    "log10_p_iso": -(pk - 4.0),
+                    "p_model": rng.uniform(0, 1, len(src)),
+                    "q_model": rng.uniform(0, 1, len(src)),
+                    "cs": np.where(rng.uniform(0, 1, len(src)) < 0.2, np.nan, rng.uniform(0, 0.1, len(src))),
+                }
+            )
+        )
+    pairs = pd.concat(frames, ignore_index=True)
+    heads = pd.DataFrame(
+        {"head": names, "layer": layer, "index": head, "rank_q": 16, "rank_k": 16, "rank_v": 16, "rank_o": 16}
+    )
+    return pairs, heads
+
