@@ -1,0 +1,382 @@
+"""Figures of one analysis run (matplotlib, Agg): each function builds one Figure from DataFrames/dicts.
+
+`save_figure` writes it as PNG and SVG. Colours are shared across the project: `TYPE_COLORS` for edge
+types (weight pairs such as "OK") and `CLASS_COLORS` for known head classes and roles; the Neo4j
+Browser style uses the same values.
+"""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
+from scipy import stats  # noqa: E402
+
+WEIGHT_TYPES = ("Q", "K", "V", "O")
+TYPE_PAIRS = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
+COMPOSITION_TYPES = ("OQ", "OK", "OV")
+
+_TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+          "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+_TAB20_LIGHT = ["#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5"]
+_OTHER_COLORS = [_TAB10[i] for i in (3, 4, 5, 6, 8, 9)] + _TAB20_LIGHT + [_TAB10[7]]
+
+#: Edge colour per weight pair: OQ tab:blue, OK tab:orange, OV tab:green, the other 13 from the rest of
+#: tab10 and its light tab20 partners (one map for figures, reports and the Browser style).
+TYPE_COLORS = {
+    "OQ": _TAB10[0], "OK": _TAB10[1], "OV": _TAB10[2],
+    **dict(zip([tp for tp in TYPE_PAIRS if tp not in COMPOSITION_TYPES], _OTHER_COLORS)),
+}
+
+#: Node colour per known head class / role (keys lower-case with underscores; see `class_color`).
+CLASS_COLORS = {
+    "name_mover": "#e6194b",
+    "backup_name_mover": "#f58231",
+    "negative_name_mover": "#911eb4",
+    "s_inhibition": "#4363d8",
+    "induction": "#3cb44b",
+    "duplicate_token": "#f032e6",
+    "previous_token": "#42d4f4",
+    "identity": "#ffe119",
+    "bos": "#9a6324",
+    "delimiter": "#469990",
+    "local": "#808000",
+    "block": "#000075",
+    "syntactic": "#dcbeff",
+}
+_FALLBACK_CLASS_COLORS = ["#aaffc3", "#fabed4", "#ffd8b1", "#a9a9a9", "#800000", "#fffac8"]
+NODE_COLOR = "#e0e0e0"
+
+ISOTROPIC_NULL = "isotropic random subspaces (Haar)"
+
+
+def class_color(name):
+    """The colour of a known class or role name ("Induction", "previous-token", ...)."""
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    if key in CLASS_COLORS:
+        return CLASS_COLORS[key]
+    return _FALLBACK_CLASS_COLORS[sum(map(ord, key)) % len(_FALLBACK_CLASS_COLORS)]
+
+
+def save_figure(fig, out_dir, stem):
+    """Write `fig` as `<stem>.png` (150 dpi) and `<stem>.svg` into out_dir; close it; return both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"png": out_dir / f"{stem}.png", "svg": out_dir / f"{stem}.svg"}
+    fig.savefig(paths["png"], dpi=150, bbox_inches="tight")
+    fig.savefig(paths["svg"], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def reference_distribution(mean, var, upper):
+    """Beta distribution on [0, upper] with the given mean and variance (the isotropic PK reference)."""
+    x, v = mean / upper, var / upper**2
+    common = x * (1 - x) / v - 1
+    return stats.beta(x * common, (1 - x) * common, scale=upper)
+
+
+def _grid(n):
+    cols = int(np.ceil(np.sqrt(n)))
+    return int(np.ceil(n / cols)), cols
+
+
+def _present_types(pairs):
+    present = set(pairs["source_type"] + pairs["target_type"])
+    return [tp for tp in TYPE_PAIRS if tp in present]
+
+
+def pk_distributions(pairs, reference, kl, model):
+    """Histogram of PK per type pair against its isotropic reference density; KL in each title.
+
+    reference: {type pair: {"mean", "var", "k", "k_target"}}; kl: {type pair: nats or None}.
+    """
+    types = _present_types(pairs)
+    nrows, ncols = _grid(len(types))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    pk_by_type = pairs.groupby(pairs["source_type"] + pairs["target_type"])["pk"]
+    for ax, tp in zip(axes.flat, types):
+        values = pk_by_type.get_group(tp).to_numpy()
+        ref = reference[tp]
+        sd = np.sqrt(ref["var"])
+        upper = min(ref["k"], ref["k_target"])
+        lo = max(0.0, min(np.quantile(values, 0.001), ref["mean"] - 5 * sd))
+        hi = min(float(upper), max(np.quantile(values, 0.999), ref["mean"] + 5 * sd))
+        bins = np.linspace(lo, hi, 61)
+        shown = values[(values >= lo) & (values <= hi)]
+        heights, _, _ = ax.hist(shown, bins=bins, weights=np.full(len(shown), 1 / (len(values) * (bins[1] - bins[0]))),
+                                color=TYPE_COLORS[tp], alpha=0.75, label=f"observed ({len(values):,} pairs)")
+        outside = values[(values < lo) | (values > hi)]
+        if len(outside):
+            ax.text(0.98, 0.45, f"{len(outside)} pair(s) off scale\n(range {outside.min():.3g} … {outside.max():.3g})",
+                    transform=ax.transAxes, ha="right", fontsize=7, color=TYPE_COLORS[tp])
+        xs = np.linspace(lo, hi, 600)
+        density = reference_distribution(ref["mean"], ref["var"], upper).pdf(xs)
+        ax.plot(xs, density, color="black", lw=1.4, label="random reference (Beta)")
+        ax.axvline(ref["mean"], color="black", ls="--", lw=1,
+                   label=f"reference mean k·k'/d = {ref['mean']:.3g}")
+        ax.axvline(values.mean(), color=TYPE_COLORS[tp], ls=":", lw=1.6,
+                   label=f"observed mean = {values.mean():.3g}")
+        if density.max() > 5 * max(heights.max(), 1e-12) or heights.max() > 5 * density.max():
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=max(min(heights[heights > 0].min(), density.max()) / 10, 1e-4))
+            ax.set_ylabel("density (1/PK, log scale)")
+        else:
+            ax.set_ylabel("density (1/PK)")
+        kl_text = "not computed" if kl.get(tp) is None else f"{kl[tp]:.3f} nats"
+        ax.set_title(f"{tp[0]}→{tp[1]}   KL(random‖observed) = {kl_text}", fontsize=10)
+        ax.set_xlabel(f"PK (0 … {upper})")
+        ax.legend(fontsize=7, loc="upper right")
+    for ax in axes.flat[len(types):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{model}: Projection Kernel per weight-type pair (bars) vs random reference (null: {ISOTROPIC_NULL})")
+    fig.tight_layout()
+    return fig
+
+
+def kl_heatmap(kl, model):
+    """4×4 KL(random‖observed) heatmap, rows source type, columns target type, grey where not computed."""
+    matrix = np.array([[np.nan if kl.get(s + t) is None else kl[s + t] for t in WEIGHT_TYPES]
+                       for s in WEIGHT_TYPES], dtype=float)
+    fig, ax = plt.subplots(figsize=(5.8, 4.8))
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("#bdbdbd")
+    finite = matrix[np.isfinite(matrix)]
+    vmax = finite.max() if finite.size else 1.0
+    im = ax.imshow(np.ma.masked_invalid(matrix), cmap=cmap, vmin=0, vmax=vmax)
+    for (i, j), value in np.ndenumerate(matrix):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.3f}", ha="center", va="center",
+                    color="white" if value < 0.6 * vmax else "black", fontsize=11)
+        else:
+            ax.text(j, i, "n/c", ha="center", va="center", color="#555555", fontsize=9)
+    ax.set_xticks(range(4), WEIGHT_TYPES)
+    ax.set_yticks(range(4), WEIGHT_TYPES)
+    ax.set_xlabel("target weight type (later head)")
+    ax.set_ylabel("source weight type (earlier head)")
+    fig.colorbar(im, ax=ax, label="KL(random ‖ observed) (nats)")
+    ax.legend(handles=[Patch(color="#bdbdbd", label="n/c = not computed")], loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
+    ax.set_title(f"{model}: informativeness of each weight pair\n(reference: {ISOTROPIC_NULL})",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def top_fraction_cutoff(values, fraction=0.03):
+    """The value above which the top `fraction` of values lie."""
+    return float(np.quantile(np.asarray(values, dtype=float), 1 - fraction))
+
+
+def pk_vs_cs(pairs, model, fraction=0.03):
+    """PK against Composition Score per composition type with the top-`fraction` cut-offs; None if no CS."""
+    with_cs = pairs[pairs["cs"].notna()]
+    types = [tp for tp in COMPOSITION_TYPES if tp in set(with_cs["source_type"] + with_cs["target_type"])]
+    if not types:
+        return None
+    fig, axes = plt.subplots(1, len(types), figsize=(5 * len(types), 4.4), squeeze=False)
+    pct = f"{fraction * 100:g} %"
+    for ax, tp in zip(axes.flat, types):
+        sub = with_cs[(with_cs["source_type"] == tp[0]) & (with_cs["target_type"] == tp[1])]
+        pk_cut, cs_cut = top_fraction_cutoff(sub["pk"], fraction), top_fraction_cutoff(sub["cs"], fraction)
+        both = int(((sub["pk"] > pk_cut) & (sub["cs"] > cs_cut)).sum())
+        ax.scatter(sub["cs"], sub["pk"], s=6, alpha=0.5, color=TYPE_COLORS[tp], rasterized=True,
+                   label=f"head pairs ({len(sub):,})")
+        ax.axhline(pk_cut, color="black", ls="--", lw=1, label=f"top-{pct} PK cut-off = {pk_cut:.3g}")
+        ax.axvline(cs_cut, color="#d62728", ls="--", lw=1, label=f"top-{pct} CS cut-off = {cs_cut:.3g}")
+        rho = stats.spearmanr(sub["cs"], sub["pk"]).statistic
+        ax.set_title(f"{tp[0]}→{tp[1]}: Spearman ρ = {rho:.2f}; in both tops: {both}", fontsize=10)
+        ax.set_xlabel("Composition Score (Elhage et al., unitless 0…1)")
+        ax.set_ylabel("PK (raw)")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{model}: Projection Kernel vs Composition Score, earlier → later head pairs")
+    fig.tight_layout()
+    return fig
+
+
+def _head_classes(classes):
+    """{head: first class name} from {class name: [heads]}."""
+    owner = {}
+    for name, heads in (classes or {}).items():
+        for head in heads:
+            owner.setdefault(head, name)
+    return owner
+
+
+def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k per type by PK"):
+    """The selected edges drawn on a layer (rows, layer 0 at the top) × head (columns) grid.
+
+    edges: DataFrame with source, target, source_layer, source_head, target_layer, target_head,
+    source_type, target_type, pk. Opacity = PK / max PK of the edge's type. Each edge artist has the
+    gid "edge:<source>-><target>:<type>" (kept in the SVG), each head node "head:<name>".
+    classes: optional {class name: [head names]} colouring nodes.
+    """
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_heads + 3.5), max(4.0, 0.6 * n_layers + 2.0)))
+    owner = _head_classes(classes)
+    edge_types = pd.Series(edges["source_type"] + edges["target_type"], index=edges.index)
+    max_pk = edges.groupby(edge_types)["pk"].transform("max")
+    alpha = (edges["pk"] / max_pk).clip(0, 1).fillna(0)
+    type_order = [tp for tp in TYPE_PAIRS if tp in set(edge_types)]
+    for idx, row in edges.iterrows():
+        tp = edge_types[idx]
+        rad = 0.18 + 0.1 * type_order.index(tp)
+        arrow = FancyArrowPatch((row["source_head"], row["source_layer"]),
+                                (row["target_head"], row["target_layer"]),
+                                connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>", mutation_scale=9,
+                                color=TYPE_COLORS[tp], alpha=float(alpha[idx]), lw=1.6,
+                                shrinkA=7, shrinkB=7, zorder=2)
+        arrow.set_gid(f"edge:{row['source']}->{row['target']}:{tp}")
+        ax.add_patch(arrow)
+    involved = set(edges["source"]) | set(edges["target"])
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            name = f"L{layer}H{head}"
+            color = class_color(owner[name]) if name in owner else NODE_COLOR
+            node = ax.scatter([head], [layer], s=150 if name in involved else 60, color=color,
+                              edgecolors="black" if name in involved else "#9e9e9e", linewidths=0.8,
+                              zorder=3)
+            node.set_gid(f"head:{name}")
+            if name in involved:
+                ax.annotate(name, (head, layer), xytext=(0, -11), textcoords="offset points",
+                            ha="center", va="top", fontsize=6.5, zorder=4)
+    ax.set_xlim(-0.8, n_heads - 0.2)
+    ax.set_ylim(n_layers - 0.3, -0.7)
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    ax.set_xlabel("head index")
+    ax.set_ylabel("layer (input at the top)")
+    handles = [Line2D([], [], color=TYPE_COLORS[tp], lw=2, label=f"{tp} edge ({int((edge_types == tp).sum())})")
+               for tp in type_order]
+    present_classes = [c for c in (classes or {}) if any(owner.get(h) == c for h in owner)]
+    handles += [Line2D([], [], marker="o", ls="", markerfacecolor=class_color(c), markeredgecolor="black",
+                       markersize=8, label=c.replace("_", " ")) for c in present_classes]
+    handles.append(Line2D([], [], marker="o", ls="", markerfacecolor=NODE_COLOR, markeredgecolor="#9e9e9e",
+                          markersize=6, label="other head"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+              title="edges (opacity = PK / max of type)\nand head classes", title_fontsize=8)
+    ax.set_title(f"{model}: {len(edges)} edges, {selection}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def role_columns(heads):
+    """Role names that have a `<role>_score` column in heads (identity first)."""
+    roles = [c[: -len("_score")] for c in heads.columns if c.endswith("_score")]
+    return sorted(roles, key=lambda r: (r != "identity", r))
+
+
+def _layer_head_grid(heads, column):
+    grid = np.full((int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1), np.nan)
+    grid[heads["layer"].to_numpy(int), heads["index"].to_numpy(int)] = heads[column].to_numpy(float)
+    return grid
+
+
+def role_heatmaps(heads, model):
+    """Layer × head heatmap per role score column (significant heads boxed); None if no role columns."""
+    roles = role_columns(heads)
+    if not roles:
+        return None
+    n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1
+    nrows, ncols = _grid(len(roles))
+    cell = 0.42 if n_heads > 8 else 0.6
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False,
+                             figsize=(ncols * (cell * n_heads + 2.2), nrows * (cell * n_layers + 1.4)))
+    annotate = n_layers * n_heads <= 256
+    for ax, role in zip(axes.flat, roles):
+        grid = _layer_head_grid(heads, f"{role}_score")
+        im = ax.imshow(grid, cmap="Greens" if role == "identity" else "viridis", aspect="equal")
+        label = ("mean self-attention (probability)" if role == "identity"
+                 else "sieve bias score (1 = uniform)")
+        fig.colorbar(im, ax=ax, label=label, shrink=0.85)
+        if f"{role}_sig" in heads:
+            sig = heads[heads[f"{role}_sig"].astype(bool)]
+            for layer, head in zip(sig["layer"], sig["index"]):
+                ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, ec="#d62728", lw=2))
+        if annotate:
+            vmax = np.nanmax(grid)
+            for (layer, head), value in np.ndenumerate(grid):
+                ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=5.5,
+                        color="white" if value > 0.6 * vmax else "black")
+        ax.set_xticks(range(n_heads))
+        ax.set_yticks(range(n_layers))
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("head index")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{role.replace('_', ' ')} score" + ("  (red box = significant)" if f"{role}_sig" in heads
+                                                          else ""), fontsize=9)
+    for ax in axes.flat[len(roles):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{model}: head role scores by layer and head")
+    fig.tight_layout()
+    return fig
+
+
+def degree_by_type(edges):
+    """Per head and type: in- and out-degree in the selected graph; columns in_<tp>, out_<tp>, degree."""
+    tp = edges["source_type"] + edges["target_type"]
+    out = pd.crosstab(edges["source"], tp).add_prefix("out_")
+    inn = pd.crosstab(edges["target"], tp).add_prefix("in_")
+    table = out.join(inn, how="outer").fillna(0).astype(int)
+    table["degree"] = table.sum(axis=1)
+    table.index.name = "head"
+    return table.sort_values("degree", ascending=False)
+
+
+def hub_centralities(edges, model, centralities=None, heads=None, top=10):
+    """Hub chart: in/out degree by edge type (left) and normalised centralities (right) for the top heads.
+
+    centralities: optional DataFrame indexed by head with numeric columns (pagerank, hits_hub, ...);
+    heads: the hubs in rank order (default: the top heads by total degree in `edges`).
+    """
+    degrees = degree_by_type(edges)
+    ranked = list(heads)[:top] if heads is not None else list(degrees.index[:top])
+    degrees = degrees.reindex(ranked).fillna(0).iloc[::-1]
+    heads = list(degrees.index)
+    types = [tp for tp in TYPE_PAIRS if f"out_{tp}" in degrees or f"in_{tp}" in degrees]
+    panels = 2 if centralities is not None and len(centralities.columns) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 0.38 * len(heads) + 2.2), squeeze=False)
+    ax = axes[0, 0]
+    y = np.arange(len(heads))
+    left_in, left_out = np.zeros(len(heads)), np.zeros(len(heads))
+    for tp in types:
+        inn = degrees[f"in_{tp}"].to_numpy(float) if f"in_{tp}" in degrees else np.zeros(len(heads))
+        out = degrees[f"out_{tp}"].to_numpy(float) if f"out_{tp}" in degrees else np.zeros(len(heads))
+        ax.barh(y, -inn, left=-left_in, color=TYPE_COLORS[tp], label=tp, edgecolor="white", lw=0.5)
+        ax.barh(y, out, left=left_out, color=TYPE_COLORS[tp], edgecolor="white", lw=0.5)
+        left_in += inn
+        left_out += out
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(y, heads)
+    limit = max(left_in.max(), left_out.max(), 1)
+    ax.set_xlim(-limit * 1.1, limit * 1.1)
+    ticks = ax.get_xticks()
+    ax.set_xticks(ticks, [f"{abs(t):g}" for t in ticks])
+    ax.set_xlabel("← in-edges   |   out-edges →   (number of selected edges)")
+    ax.set_ylabel("head (hub rank, first at the top)")
+    ax.legend(title="edge type", fontsize=8, title_fontsize=8, loc="lower right")
+    ax.set_title("degree by edge type", fontsize=10)
+    if panels == 2:
+        ax2 = axes[0, 1]
+        cols = list(centralities.columns)
+        values = centralities.reindex(heads)[cols].astype(float)
+        scaled = values / centralities[cols].astype(float).abs().max().replace(0, 1)
+        width = 0.8 / len(cols)
+        colors = plt.get_cmap("Set2").colors
+        for i, col in enumerate(cols):
+            ax2.barh(y + (i - (len(cols) - 1) / 2) * width, scaled[col].fillna(0), height=width,
+                     color=colors[i % len(colors)], label=col.replace("_", " "))
+        ax2.set_yticks(y, heads)
+        ax2.set_xlim(0, 1.05)
+        ax2.set_xlabel("centrality / its maximum over all heads")
+        ax2.legend(fontsize=8, loc="lower right")
+        ax2.set_title("centralities (networkx, selected graph)", fontsize=10)
+    fig.suptitle(f"{model}: hub heads of the selected graph ({len(edges)} edges)")
+    fig.tight_layout()
+    return fig

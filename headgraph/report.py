@@ -1,0 +1,451 @@
+"""The report of one analysis run: figures plus `report.md` and a self-contained `report.html`.
+
+`load_run` reads a run folder (run.json, pairs.parquet, heads.parquet); the table builders take
+DataFrames and return DataFrames; `render_report` writes everything into the run folder.
+"""
+
+import base64
+import html
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from headgraph import figures
+from headgraph.analysis.centrality import head_centrality, hub_report
+from headgraph.analysis.classes import HeadClasses, load_classes
+from headgraph.analysis.evaluation import COMPOSITION_TYPES, evaluate_pairs
+from headgraph.errors import StoreUnavailable, UsageError
+from headgraph.loader.graph import SelectionPolicy, select_edges
+
+PAIR_COLUMNS = ("source", "target", "source_layer", "source_head", "target_layer", "target_head",
+                "source_type", "target_type", "pk", "pk_norm", "z_iso", "log10_p_iso", "p_model",
+                "q_model", "cs")
+HEAD_COLUMNS = ("head", "layer", "index")
+DEFAULT_EVAL_K = 20
+
+
+@dataclass
+class Run:
+    """One analysis run as read from its folder."""
+
+    path: Path
+    meta: dict
+    pairs: pd.DataFrame
+    heads: pd.DataFrame
+
+    @property
+    def model(self):
+        return str(self.meta.get("model", self.path.name))
+
+    @property
+    def dims(self):
+        return self.meta.get("dims", {})
+
+    @property
+    def type_pairs(self):
+        present = set(self.pairs["source_type"] + self.pairs["target_type"])
+        return [tp for tp in figures.TYPE_PAIRS if tp in present]
+
+    @property
+    def kl(self):
+        """{type pair: KL(random ‖ observed) in nats or None} for all 16 type pairs."""
+        kl = self.meta.get("kl")
+        matrix = kl.get("matrix") if isinstance(kl, dict) and "matrix" in kl else kl
+        if isinstance(matrix, list):
+            rows = kl.get("rows", figures.WEIGHT_TYPES) if isinstance(kl, dict) else figures.WEIGHT_TYPES
+            cols = kl.get("cols", figures.WEIGHT_TYPES) if isinstance(kl, dict) else figures.WEIGHT_TYPES
+            found = {r + c: matrix[i][j] for i, r in enumerate(rows) for j, c in enumerate(cols)}
+        else:
+            found = dict(matrix or {})
+        return {tp: found.get(tp) for tp in figures.TYPE_PAIRS}
+
+    @property
+    def reference(self):
+        """{type pair: {"mean", "var", "k", "k_target"}} of the isotropic reference."""
+        return self.meta.get("reference", {})
+
+    @property
+    def nulls(self):
+        return self.meta.get("nulls", {})
+
+
+def load_run(run_dir):
+    """Read a run folder; a missing or malformed artifact raises UsageError naming it."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UsageError(f"run folder '{path}' does not exist; pass the --out folder of `headgraph analyze`")
+    missing = [name for name in ("run.json", "pairs.parquet", "heads.parquet") if not (path / name).is_file()]
+    if missing:
+        raise UsageError(f"'{path}' is not a complete run folder (missing {', '.join(missing)}); "
+                         "rerun `headgraph analyze --out` into it")
+    try:
+        meta = json.loads((path / "run.json").read_text())
+        pairs = pd.read_parquet(path / "pairs.parquet")
+        heads = pd.read_parquet(path / "heads.parquet")
+    except (ValueError, OSError) as e:
+        raise UsageError(f"cannot read the run in '{path}' ({e}); rerun `headgraph analyze` into it") from e
+    for name, frame, columns in (("pairs.parquet", pairs, PAIR_COLUMNS), ("heads.parquet", heads, HEAD_COLUMNS)):
+        absent = [c for c in columns if c not in frame.columns]
+        if absent:
+            raise UsageError(f"{path / name} lacks columns {', '.join(absent)}; rerun `headgraph analyze`")
+    return Run(path=path, meta=meta, pairs=pairs, heads=heads)
+
+
+def type_summary(run, fraction=0.03, q_level=0.05):
+    """One row per computed type pair: PK statistics against the isotropic reference, KL, significance."""
+    pairs = run.pairs.assign(type=run.pairs["source_type"] + run.pairs["target_type"])
+    stats = pairs.groupby("type").agg(pairs=("pk", "size"), mean_pk=("pk", "mean"), sd_pk=("pk", "std"),
+                                      q_below=("q_model", lambda q: int((q < q_level).sum())))
+    stats["top_cutoff"] = pairs.groupby("type")["pk"].quantile(1 - fraction)
+    ref = pd.DataFrame(run.reference).T.reindex(stats.index)
+    stats["ref_mean"] = ref["mean"].astype(float)
+    stats["ref_sd"] = np.sqrt(ref["var"].astype(float))
+    stats["mean_z"] = (stats["mean_pk"] - stats["ref_mean"]) / stats["ref_sd"]
+    stats["kl"] = [run.kl.get(tp) for tp in stats.index]
+    return stats.reindex([tp for tp in figures.TYPE_PAIRS if tp in stats.index])
+
+
+def significant_roles(heads):
+    """{head: [roles whose `<role>_sig` is true]}."""
+    roles = [r for r in figures.role_columns(heads) if f"{r}_sig" in heads]
+    found = {}
+    for role in roles:
+        for head in heads.loc[heads[f"{role}_sig"].astype(bool), "head"]:
+            found.setdefault(head, []).append(role)
+    return found
+
+
+def role_table(heads):
+    """Layer × role: the number of heads with a significant role (and their names when few)."""
+    roles = [r for r in figures.role_columns(heads) if f"{r}_sig" in heads]
+    if not roles:
+        return None
+    table = pd.DataFrame(index=pd.Index(sorted(heads["layer"].unique()), name="layer"))
+    for role in roles:
+        sig = heads[heads[f"{role}_sig"].astype(bool)]
+        by_layer = sig.groupby("layer")["head"].agg(list)
+        table[role] = [_count_with_names(by_layer.get(layer, [])) for layer in table.index]
+    table.loc["all"] = [str(int(heads[f"{r}_sig"].astype(bool).sum())) for r in roles]
+    return table
+
+
+def _count_with_names(names):
+    if not names:
+        return "0"
+    return f"{len(names)} ({', '.join(names)})" if len(names) <= 4 else str(len(names))
+
+
+def hub_table(report, heads):
+    """The hub report (headgraph.analysis.centrality.hub_report) as a table with each hub's edges and roles."""
+    roles = significant_roles(heads)
+    rows = []
+    for hub in report["hubs"]:
+        rows.append({"head": hub["head"], "degree": hub["degree"], "in": hub["in_degree"], "out": hub["out_degree"],
+                     "weighted degree": hub["weighted_degree"], "pagerank": hub["pagerank"],
+                     "betweenness": hub["betweenness"],
+                     "in-edges (strongest per type)": _edge_summary(hub["edges"]["in"]),
+                     "out-edges (strongest per type)": _edge_summary(hub["edges"]["out"]),
+                     "significant roles": ", ".join(roles.get(hub["head"], [])) or "—",
+                     "top-10 under": f"{len(hub['top_in'])}/{len(report['measures'])} measures"})
+    return pd.DataFrame(rows).set_index("head")
+
+
+def _edge_summary(by_kind):
+    """'OV: L1H11, L2H2; OK: L5H5' from {kind: [{"head", "pk"}, ...]} in the project's type order."""
+    parts = [f"{kind}: " + ", ".join(e["head"] for e in by_kind[kind])
+             for kind in figures.TYPE_PAIRS if by_kind.get(kind)]
+    return "; ".join(parts) or "—"
+
+
+def strongest_edges(edges, per_type=10):
+    """Table of the strongest selected edges per type."""
+    table = edges.assign(order=edges["kind"].map(figures.TYPE_PAIRS.index))
+    table = table.sort_values(["order", "pk"], ascending=[True, False], kind="stable")
+    table = table.groupby("kind", sort=False).head(per_type)
+    table["edge"] = table["source"] + " → " + table["target"]
+    columns = ["kind", "rank", "edge", "pk", "pk_norm", "z_iso", "log10_p_iso", "q_model", "cs"]
+    return table[columns].set_index(["kind", "rank"])
+
+
+# ---------------------------------------------------------------- rendering (markdown and html)
+
+def _fmt(value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        if math.isinf(value):
+            return "−inf" if value < 0 else "inf"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _rows(table):
+    index_names = [n or "" for n in table.index.names]
+    header = index_names + [str(c) for c in table.columns]
+    body = []
+    for idx, row in zip(table.index, table.itertuples(index=False)):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        body.append([_fmt(v) for v in idx] + [_fmt(v) for v in row])
+    return header, body
+
+
+def _md_table(table):
+    header, body = _rows(table)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def _html_table(table):
+    header, body = _rows(table)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def _html_inline(text):
+    text = html.escape(text)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
+
+
+def to_markdown(blocks):
+    """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths)."""
+    out = []
+    for block in blocks:
+        kind = block[0]
+        if kind == "h":
+            out.append("#" * block[1] + " " + block[2])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "table":
+            out.append(_md_table(block[1]))
+        elif kind == "fig":
+            out.append(f"![{block[1]}]({block[2]['png'].name})\n\n*{block[1]}* (vector: `{block[2]['svg'].name}`)")
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:3px 8px;
+text-align:left}th{background:#f2f2f2}img{max-width:100%}figure{margin:1.5em 0}figcaption{font-style:italic}
+code{background:#f4f4f4;padding:0 3px}"""
+
+
+def to_html(blocks, title):
+    """A self-contained HTML page for report blocks; figures are embedded as base64 PNG."""
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+           f"<style>{_CSS}</style></head><body>"]
+    for block in blocks:
+        kind = block[0]
+        if kind == "h":
+            out.append(f"<h{block[1]}>{_html_inline(block[2])}</h{block[1]}>")
+        elif kind == "p":
+            out.append(f"<p>{_html_inline(block[1])}</p>")
+        elif kind == "table":
+            out.append(_html_table(block[1]))
+        elif kind == "fig":
+            data = base64.b64encode(block[2]["png"].read_bytes()).decode("ascii")
+            caption = html.escape(block[1])
+            out.append(f"<figure><img alt='{caption}' src='data:image/png;base64,{data}'>"
+                       f"<figcaption>{caption}</figcaption></figure>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- the story
+
+def _settings_table(run):
+    meta, dims = run.meta, run.dims
+    rows = {
+        "model": run.model,
+        "source": meta.get("source"),
+        "layers × heads": f"{dims.get('n_layers')} × {dims.get('n_heads')}"
+                          + (f" (KV heads {dims['n_kv_heads']})" if dims.get("n_kv_heads") not in (None, dims.get("n_heads")) else ""),
+        "d_model / d_head": f"{dims.get('d_model')} / {dims.get('d_head')}",
+        "weight processing": meta.get("processing"),
+        "dtype / device": f"{meta.get('dtype')} / {meta.get('device')}",
+        "seed": meta.get("seed"),
+        "type pairs computed": ", ".join(run.type_pairs),
+        "pairs computed": len(run.pairs),
+    }
+    rows.update({f"null for {key}": value for key, value in run.nulls.items()})
+    rows.update({f"time {key}": value for key, value in meta.get("timings", {}).items()})
+    return pd.DataFrame({"value": [_fmt(v) for v in rows.values()]}, index=pd.Index(list(rows), name="setting"))
+
+
+def _informativeness_text(summary):
+    with_kl = summary.dropna(subset=["kl"])
+    if with_kl.empty:
+        return "No KL values were computed for this run."
+    best, worst = with_kl["kl"].astype(float).idxmax(), with_kl["kl"].astype(float).idxmin()
+    return (f"The most informative computed type pair is **{best}** (KL {_fmt(with_kl.loc[best, 'kl'])} nats, "
+            f"mean PK {_fmt(with_kl.loc[best, 'mean_pk'])} vs reference {_fmt(with_kl.loc[best, 'ref_mean'])}); "
+            f"the least is **{worst}** (KL {_fmt(with_kl.loc[worst, 'kl'])} nats). "
+            "`mean_z` is the distance of the observed mean from the reference mean in reference sd; trained "
+            "weights are anisotropic, so large values are expected and the calibrated q-values are the "
+            "per-edge measure to trust.")
+
+
+def _hub_text(hubs):
+    lines = []
+    for head, row in hubs.head(3).iterrows():
+        lines.append(f"**{head}** ({row['degree']} edges: {row['in']} in, {row['out']} out) — "
+                     f"in from {row['in-edges (strongest per type)']}; out to {row['out-edges (strongest per type)']}; "
+                     f"significant roles: {row['significant roles']}; in the top 10 of {row['top-10 under']}.")
+    return " ".join(lines)
+
+
+def _kl_table(kl):
+    return pd.DataFrame([[kl[s + t] for t in figures.WEIGHT_TYPES] for s in figures.WEIGHT_TYPES],
+                        index=pd.Index(figures.WEIGHT_TYPES, name="source \\ target"),
+                        columns=list(figures.WEIGHT_TYPES))
+
+
+def default_classes(model):
+    """The known classes for a model, when the project ships them (GPT-2 small: the PK paper's colouring)."""
+    return load_classes("pk-paper") if str(model).split("/")[-1] == "gpt2" else None
+
+
+def class_evaluation(run, classes, top_k):
+    """In-class / out-of-class head counts and AUCs of PK and CS (None without composition pairs)."""
+    types = [tp for tp in COMPOSITION_TYPES if tp in run.type_pairs]
+    if not types:
+        return None
+    return evaluate_pairs(run.pairs, classes, k=top_k, types=types).set_index(["metric", "scope"])
+
+
+FIGURE_COUNT = 6
+
+
+def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None, selection="selected edges",
+                   advance=lambda: None):
+    """Write figures (a)–(f) that the run's data allows; {name: {"png": path, "svg": path}}.
+
+    advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
+    """
+    model = run.model
+    n_layers = int(run.dims.get("n_layers", run.heads["layer"].max() + 1))
+    n_heads = int(run.dims.get("n_heads", run.heads["index"].max() + 1))
+    class_sets = dict(classes.classes) if classes is not None else None
+    measures = ["pagerank", "hits_hub", "hits_authority", "betweenness", "weighted_degree"]
+    builders = {
+        "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.reference, run.kl, model),
+        "fig_kl_heatmap": lambda: figures.kl_heatmap(run.kl, model),
+        "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
+        "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
+                                                     selection=selection),
+        "fig_roles": lambda: figures.role_heatmaps(run.heads, model),
+        "fig_hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
+                                                     heads=hub_order),
+    }
+    paths = {}
+    for name, build in builders.items():
+        fig = build()
+        if fig is not None:
+            paths[name] = figures.save_figure(fig, out_dir, name)
+        advance()
+    return paths
+
+
+def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None):
+    """The report as blocks (see `to_markdown`)."""
+    summary = type_summary(run)
+    blocks = [("h", 1, f"headgraph report — {run.model}"),
+              ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
+                    "reference; every q refers to the run's calibrated null named below."),
+              ("h", 2, "Model and settings"), ("table", _settings_table(run)),
+              ("h", 2, "Informativeness per weight-type pair"),
+              ("p", _informativeness_text(summary)),
+              ("table", summary.rename(columns={"q_below": "edges q<0.05", "top_cutoff": "top-3% cut-off"})),
+              ("p", "KL(random ‖ observed) in nats, rows = source type, columns = target type (— = not computed):"),
+              ("table", _kl_table(run.kl))]
+    for name, caption in (("fig_pk_distributions", "PK distribution per type pair against the random reference"),
+                          ("fig_kl_heatmap", "KL(random ‖ observed) per type pair")):
+        if name in figs:
+            blocks.append(("fig", caption, figs[name]))
+    blocks += [("h", 2, "Strongest edges"),
+               ("p", f"Selected graph: {policy.describe()} ({len(edges)} edges). `rank` is the PK rank among "
+                     "all computed pairs of the type. Strongest per type:"),
+               ("table", strongest_edges(edges))]
+    for name, caption in (("fig_topk_graph", "Selected edges by layer and head, opacity = PK / max PK of type"),
+                          ("fig_pk_vs_cs", "PK vs Composition Score with top-3 % cut-offs")):
+        if name in figs:
+            blocks.append(("fig", caption, figs[name]))
+    blocks += [("h", 2, "Hubs"), ("p", _hub_text(hubs)), ("table", hubs)]
+    if "fig_hubs" in figs:
+        blocks.append(("fig", "Hub heads: degree by edge type and centralities", figs["fig_hubs"]))
+    roles = role_table(run.heads)
+    blocks.append(("h", 2, "Head roles"))
+    if roles is None:
+        blocks.append(("p", "No role results in heads.parquet (run `headgraph analyze` with roles)."))
+    else:
+        blocks += [("p", "Heads with a significant role, per layer:"), ("table", roles)]
+    if "fig_roles" in figs:
+        blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
+    if evaluation is not None:
+        blocks += [("h", 2, "Known head classes"),
+                   ("p", f"Class set `{classes.name}` ({classes.source}). `in_class` / `out_of_class` count the "
+                         "distinct heads of the top-k union graph per metric; the AUCs measure how well the metric "
+                         "separates pairs whose heads are both in a known class from the rest."),
+                   ("table", evaluation)]
+    return blocks
+
+
+def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None):
+    """Render figures, report.md and report.html for a run folder; return {name: path}.
+
+    policy: the edge selection (default: top 20 per type by PK); classes: a HeadClasses (default: the
+    project's known classes for the model, if any). Output goes to out_dir (default: the run folder).
+    advance() is called FIGURE_COUNT + 1 times as the work proceeds.
+    """
+    run = load_run(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run.path
+    classes = classes if classes is not None else default_classes(run.model)
+    edges = select_edges(run.pairs, policy)
+    centrality = head_centrality(edges, run.heads["head"].tolist())
+    report = hub_report(centrality, edges)
+    hubs = hub_table(report, run.heads)
+    figs = render_figures(run, edges, centrality, out_dir, classes, hub_order=list(hubs.index),
+                          selection=policy.describe(), advance=advance)
+    evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
+    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes)
+    paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
+    paths["report.md"].write_text(to_markdown(blocks))
+    paths["report.html"].write_text(to_html(blocks, f"headgraph report — {run.model}"))
+    advance()
+    for name, files in figs.items():
+        paths[f"{name}.png"], paths[f"{name}.svg"] = files["png"], files["svg"]
+    return paths
+
+
+def resolve_run_dir(run, store):
+    """A run folder from RUN: a folder path, or the id of a stored run whose record names its folder.
+
+    store: a headgraph.loader.store.StoreSpec, opened read-only only when RUN is not a folder.
+    """
+    path = Path(run)
+    if path.is_dir() or "/" in run or "\\" in run:
+        return path
+    try:
+        opened = store.open(read_only=True)
+    except StoreUnavailable as e:
+        raise StoreUnavailable(f"'{run}' is not a run folder, and as a run id: {e}") from e
+    with opened:
+        rows = opened.read("MATCH (r:Run {id: $id}) RETURN r.params AS params", {"id": run}).rows
+        where = opened.description
+    if not rows:
+        raise UsageError(f"'{run}' is neither a run folder nor a run id in {where}; `headgraph runs` lists the ids")
+    folder = json.loads(rows[0][0] or "{}").get("out_dir")
+    if not folder or not Path(folder).is_dir():
+        raise UsageError(f"run '{run}' does not record an existing run folder ({folder or 'none'}); "
+                         "pass the folder that `headgraph analyze --out` wrote")
+    return Path(folder)
