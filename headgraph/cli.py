@@ -6,6 +6,7 @@ import click
 
 from headgraph import __version__
 from headgraph.errors import HeadgraphError
+from headgraph.loader.graph import selection_options
 from headgraph.loader.store import store_options
 
 
@@ -192,6 +193,61 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
         table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r))
     console.print(table)
     console.print(f"classes: {classes.source}")
+
+
+CLASSES_OPTION = click.option(
+    "--classes", "classes_name", default=None, metavar="NAME|FILE",
+    help="Known head classes to colour and count: ioi, pk-paper or a JSON file (default: pk-paper for gpt2).")
+
+
+@cli.command("report")
+@click.argument("run")
+@CLASSES_OPTION
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Write the report here instead of into the run folder.")
+@selection_options
+@store_options
+def report_command(run, classes_name, out_dir, policy, store):
+    """Render report.md, report.html and the figures of RUN (a run folder, or a stored run's id)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from headgraph.analysis.classes import load_classes
+    from headgraph.report import FIGURE_COUNT, render_report, resolve_run_dir
+
+    run_dir = resolve_run_dir(run, store)
+    classes = load_classes(classes_name) if classes_name else None
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
+        task = progress.add_task("rendering report", total=FIGURE_COUNT + 1)
+        paths = render_report(run_dir, policy=policy, classes=classes, out_dir=out_dir,
+                              advance=lambda: progress.advance(task))
+    click.echo(f"wrote {paths['report.md']}, {paths['report.html']} and "
+               f"{sum(name.endswith('.png') for name in paths)} figures (PNG + SVG) to {paths['report.md'].parent}")
+
+
+@cli.command("compare")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--changes", default=10, show_default=True, type=click.IntRange(min=0),
+              help="Also list the N pairs whose PK changed most among those that stay in (or out of) the graph.")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
+              help="Rows printed per table (0: all); --json always gives all.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@selection_options
+@store_options
+def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
+    """Edges and roles that appear, vanish or change most from RUN_A to RUN_B (same architecture)."""
+    import json
+
+    from headgraph.compare import compare_runs, comparison_json, print_comparison
+    from headgraph.report import load_run, resolve_run_dir
+
+    comparison = compare_runs(load_run(resolve_run_dir(run_a, store)), load_run(resolve_run_dir(run_b, store)),
+                              policy, changes)
+    if as_json:
+        click.echo(json.dumps(comparison_json(comparison), indent=2))
+    else:
+        print_comparison(comparison, limit or None)
 
 
 def main(argv=None):
