@@ -17,6 +17,7 @@ the exception: `identity_score` is the PK paper's identity-head score (mean atte
 IOI prompts with BOS, the BOS query excluded) and its mean sieve bias is `identity_bias`.
 """
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -178,7 +179,9 @@ def ttest_scores(scores: np.ndarray, tau: float = 3.0, alpha: float = 0.05, corr
     scores, or all equal to tau) gets p = 1.
     """
     mean = np.nanmean(scores, axis=0)
-    p = stats.ttest_1samp(scores, tau, axis=0, alternative="greater", nan_policy="omit").pvalue
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Precision loss", RuntimeWarning)  # constant scores: handled below
+        p = stats.ttest_1samp(scores, tau, axis=0, alternative="greater", nan_policy="omit").pvalue
     p = np.where(np.isnan(p), 1.0, np.asarray(p, dtype=float))
     return mean, p, adjust_pvalues(p, correction) < alpha
 

@@ -1,0 +1,290 @@
+"""Head roles: sieve bias scores from their definition, sieves, t-tests, pattern capture, planted and real models."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModel
+
+from headgraph.analysis import roles as R
+from headgraph.analysis.patterns import capture_patterns
+from headgraph.analysis.planted import PlantSpec, save_planted
+from headgraph.analysis.prompts import (
+    KIND_A, KIND_B, KIND_CLS, KIND_PAD, KIND_SEP, TokenInputs, ioi_inputs, sentence_pair_inputs,
+)
+from headgraph.cli import main
+from headgraph.errors import UsageError
+from headgraph.loader.models import load_model, minilm_dir
+from headgraph.loader.synthetic import save_synthetic
+
+
+# ---------- helpers -------------------------------------------------------------------------------------------
+
+def random_visible(rng, batch, length, causal):
+    lengths = rng.integers(3, length + 1, size=batch)
+    mask = torch.arange(length)[None, :] < torch.as_tensor(lengths)[:, None]
+    return R.visible_keys(TokenInputs("t", torch.zeros(batch, length, dtype=torch.long), mask), causal)
+
+
+def random_patterns(rng, visible, n_layers=2, n_heads=3):
+    """Rows drawn from a Dirichlet over each query's visible keys (zero rows for padding queries)."""
+    raw = torch.as_tensor(rng.gamma(0.5, size=(visible.shape[0], n_layers, n_heads, *visible.shape[1:])))
+    raw = raw * visible[:, None, None]
+    return raw / raw.sum(-1, keepdim=True).clamp(min=1e-300)
+
+
+def reference_score(rows, sieve, visible, entropy_weighted=False):
+    """The definition, one query at a time: mean attention on the sieve over mean attention on visible keys."""
+    scores = []
+    for i in range(rows.shape[0]):
+        keys = [j for j in range(rows.shape[1]) if visible[i, j]]
+        sieve_keys = [j for j in keys if sieve[i, j]]
+        if not sieve_keys or len(sieve_keys) == len(keys):
+            continue
+        b = np.mean([rows[i, j] for j in sieve_keys]) / np.mean([rows[i, j] for j in keys])
+        scores.append(b * (stats.entropy([rows[i, j] for j in keys]) if entropy_weighted else 1.0))
+    return np.mean(scores) if scores else np.nan
+
+
+# ---------- the score -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_uniform_attention_scores_one(causal):
+    rng = np.random.default_rng(0)
+    visible = random_visible(rng, 6, 9, causal)
+    sieve = torch.as_tensor(rng.random(visible.shape) < 0.3) & visible
+    patterns = (visible / visible.sum(-1, keepdim=True).clamp(min=1))[:, None, None].expand(-1, 2, 3, -1, -1)
+    scores = R.sieve_scores(patterns.double(), sieve, visible)
+    defined = ~torch.isnan(scores)
+    assert defined.any() and torch.allclose(scores[defined], torch.ones_like(scores[defined]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_mass_on_the_sieve_scores_n_over_sieve_size(causal):
+    rng = np.random.default_rng(1)
+    visible = random_visible(rng, 6, 9, causal)
+    sieve = torch.as_tensor(rng.random(visible.shape) < 0.3) & visible
+    rows = torch.where(sieve.any(-1, keepdim=True), sieve.double(), visible.double())
+    patterns = (rows / rows.sum(-1, keepdim=True).clamp(min=1))[:, None, None]
+    scores = R.sieve_scores(patterns, sieve, visible)[:, 0, 0]
+    for b in range(6):
+        ratios = [visible[b, i].sum().item() / sieve[b, i].sum().item() for i in range(9)
+                  if 0 < sieve[b, i].sum() < visible[b, i].sum()]
+        assert scores[b].item() == pytest.approx(np.mean(ratios)) if ratios else torch.isnan(scores[b])
+
+
+@pytest.mark.parametrize("causal, entropy_weighted", [(True, False), (False, False), (False, True)])
+def test_scores_match_the_definition_on_random_patterns(causal, entropy_weighted):
+    rng = np.random.default_rng(2)
+    visible = random_visible(rng, 5, 8, causal)
+    sieve = torch.as_tensor(rng.random(visible.shape) < 0.4) & visible
+    patterns = random_patterns(rng, visible)
+    scores = R.sieve_scores(patterns, sieve, visible, entropy_weighted)
+    for b in range(5):
+        for layer in range(2):
+            for head in range(3):
+                expected = reference_score(patterns[b, layer, head].numpy(), sieve[b].numpy(), visible[b].numpy(),
+                                           entropy_weighted)
+                assert scores[b, layer, head].item() == pytest.approx(expected, nan_ok=True)
+
+
+def test_self_attention_is_the_mean_diagonal_after_bos():
+    rng = np.random.default_rng(3)
+    visible = random_visible(rng, 4, 7, causal=True)
+    patterns = random_patterns(rng, visible)
+    got = R.self_attention(patterns, visible)
+    for b in range(4):
+        n = int(visible[b].diagonal().sum())
+        assert got[b, 1, 2].item() == pytest.approx(np.mean([patterns[b, 1, 2, i, i].item() for i in range(1, n)]))
+
+
+# ---------- sieves --------------------------------------------------------------------------------------------
+
+def decoder_sieves(ids):
+    x = TokenInputs("t", torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))
+    visible = R.visible_keys(x, causal=True)
+    return {role.name: {i: R.role_sieve(role, x, visible)[0, i].nonzero().flatten().tolist() for i in range(len(ids))}
+            for role in R.DECODER_ROLES}
+
+
+def test_decoder_sieves_on_a_repeated_sequence():
+    s = decoder_sieves([99, 5, 6, 7, 5, 6, 7])
+    assert s["identity"][3] == [3] and s["previous_token"][3] == [2] and s["bos"][5] == [0]
+    assert s["previous_token"][0] == [] and s["identity"][0] == [0]  # the BOS query: only itself is visible
+    assert [s["duplicate_token"][i] for i in (2, 4, 5, 6)] == [[], [1], [2], [3]]
+    # induction: the token after the earlier copy of the query's token
+    assert [s["induction"][i] for i in (3, 4, 5, 6)] == [[], [2], [3], [4]]
+
+
+def encoder_example():
+    kinds = [KIND_CLS, KIND_A, KIND_A, KIND_A, KIND_SEP, KIND_B, KIND_B, KIND_SEP, KIND_PAD]
+    kind = torch.tensor([kinds])
+    x = TokenInputs("t", torch.zeros_like(kind), kind != KIND_PAD, token_kind=kind,
+                    arcs={r: torch.zeros(1, 9, 9, dtype=torch.bool) for r in ("nsubj", "dobj", "amod", "advmod")})
+    x.arcs["nsubj"][0, 1, 3] = True
+    x.arcs["amod"][0, 5, 6] = True
+    return x
+
+
+def encoder_sieve(name):
+    x = encoder_example()
+    role = next(r for r in R.ENCODER_ROLES if r.name == name)
+    return R.role_sieve(role, x, R.visible_keys(x, causal=False))[0]
+
+
+def test_encoder_sieves():
+    local = encoder_sieve("local")
+    assert local.sum(-1).tolist() == [3, 4, 5, 5, 5, 5, 4, 3, 0]  # window clipped at both ends and at padding
+    assert (encoder_sieve("delimiter").nonzero()[:, 1].unique().tolist()) == [0, 4, 7]
+    assert encoder_sieve("cls")[:8, 0].all() and encoder_sieve("cls").sum() == 8
+    assert encoder_sieve("sep")[:8][:, [4, 7]].all() and encoder_sieve("sep").sum() == 16
+    block = encoder_sieve("block")
+    assert block[2].nonzero().flatten().tolist() == [1, 2, 3] and block[6].nonzero().flatten().tolist() == [5, 6]
+    assert not block[[0, 4, 7, 8]].any()
+    assert encoder_sieve("syntactic").nonzero().tolist() == [[1, 3], [5, 6]]
+    assert encoder_sieve("syntactic_amod").nonzero().tolist() == [[5, 6]]
+
+
+# ---------- the test ------------------------------------------------------------------------------------------
+
+def bh_reference(p):
+    """Benjamini-Hochberg adjusted p-values, step by step."""
+    m = len(p)
+    order = np.argsort(p)
+    adjusted = np.empty(m)
+    running = 1.0
+    for rank in range(m, 0, -1):
+        running = min(running, p[order[rank - 1]] * m / rank)
+        adjusted[order[rank - 1]] = running
+    return adjusted
+
+
+def test_t_test_per_head_matches_scipy_and_corrections():
+    rng = np.random.default_rng(4)
+    scores = rng.normal(3.0 + np.linspace(-1, 1.5, 20), 1.0, size=(15, 20))
+    scores[3, 5] = np.nan
+    mean, p, sig = R.ttest_scores(scores, tau=3.0, alpha=0.05, correction="none")
+    for h in range(20):
+        column = scores[:, h][~np.isnan(scores[:, h])]
+        assert p[h] == pytest.approx(stats.ttest_1samp(column, 3.0, alternative="greater").pvalue)
+        assert mean[h] == pytest.approx(column.mean())
+    assert np.array_equal(sig, p < 0.05)
+    _, _, sig_bh = R.ttest_scores(scores, correction="bh")
+    assert np.array_equal(sig_bh, bh_reference(p) < 0.05)
+    _, _, sig_bonf = R.ttest_scores(scores, correction="bonferroni")
+    assert np.array_equal(sig_bonf, p * 20 < 0.05)
+    assert sig.sum() > sig_bh.sum() > sig_bonf.sum() > 0
+
+
+def test_constant_scores_get_a_defined_decision():
+    scores = np.column_stack([np.full(5, 5.0), np.full(5, 3.0), np.full(5, 1.0)])
+    _, p, sig = R.ttest_scores(scores, tau=3.0, correction="none")
+    assert p.tolist() == [0.0, 1.0, 1.0] and sig.tolist() == [True, False, False]
+
+
+def test_unknown_correction():
+    with pytest.raises(UsageError, match="bh"):
+        R.ttest_scores(np.ones((3, 2)), correction="holm")
+
+
+# ---------- models --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    folder, truth = save_planted(tmp_path_factory.mktemp("planted"), PlantSpec())
+    return load_model(str(folder), processing="tl", device="cpu"), truth, folder
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    folder = save_synthetic(tmp_path_factory.mktemp("random"), n_layers=3, n_heads=4, d_model=64, d_head=16, seed=7)
+    return load_model(str(folder), processing="raw", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_model("all-MiniLM-L6-v2", processing="raw", device="cpu")
+
+
+def test_planted_heads_get_exactly_their_roles(planted):
+    model, truth, _ = planted
+    heads, meta = R.compute_roles(model, n_inputs=20, seed=0)
+    sig = {role: set(heads.loc[heads[f"{role}_sig"], "head"]) for role in meta["roles"]}
+    assert sig == {"identity": set(truth.identity_heads), "previous_token": set(truth.previous_token_heads),
+                   "bos": set(), "duplicate_token": set(), "induction": set()}
+    by_head = heads.set_index("head")
+    assert (by_head.loc[list(truth.identity_heads), "identity_p"] < 0.01).all()
+    assert (by_head.loc[list(truth.previous_token_heads), "previous_token_p"] < 0.01).all()
+    assert (by_head.loc[list(truth.identity_heads), "identity_score"] > 0.9).all()
+    assert meta["correction"] == "bh" and "bh" in meta["test"]
+
+
+def test_random_init_model_gets_roles_for_at_most_5_percent_of_heads(random_model):
+    heads, meta = R.compute_roles(random_model, n_inputs=30, seed=1, alpha=0.05, correction="bh")
+    any_role = heads[[f"{r}_sig" for r in meta["roles"]]].any(axis=1)
+    assert any_role.mean() <= 0.05
+
+
+def test_identity_score_equals_self_attention_of_unpadded_runs(random_model):
+    """Whole decoder path: IOI prompts -> padded batched patterns -> identity score, against one prompt at a time."""
+    heads, _ = R.compute_roles(random_model, n_inputs=6, seed=2, batch_size=4)
+    prompts = ioi_inputs(random_model.tokenizer, 6, seed=2)
+    per_prompt = []
+    for row in range(6):
+        n = int(prompts.attention_mask[row].sum())
+        tokens = prompts.input_ids[row, :n][None]
+        _, cache = random_model.bridge.run_with_cache(tokens)
+        diag = torch.stack([cache[f"blocks.{l}.attn.hook_pattern"][0].diagonal(dim1=-2, dim2=-1)
+                            for l in range(3)])  # [layer, head, pos]
+        per_prompt.append(diag[:, :, 1:].mean(-1).flatten().numpy())  # the BOS query left out
+    assert np.allclose(heads["identity_score"], np.mean(per_prompt, axis=0), atol=1e-5)
+    assert R.identity_map(heads).shape == (3, 4)
+    assert R.identity_map(heads)[2, 1] == heads.set_index("head").loc["L2H1", "identity_score"]
+
+
+def test_bert_patterns_from_the_bridge_equal_eager_transformers(minilm):
+    inputs = sentence_pair_inputs(minilm.tokenizer, 4, seed=0).batch(0, 4)
+    patterns = capture_patterns(minilm.bridge, inputs)
+    hf = AutoModel.from_pretrained(str(minilm_dir()), attn_implementation="eager")
+    with torch.no_grad():
+        out = hf(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask.long(),
+                 token_type_ids=inputs.token_type_ids, output_attentions=True)
+    expected = torch.stack(out.attentions, dim=1)
+    real = inputs.attention_mask
+    assert torch.allclose(patterns * real[:, None, None, :, None], expected * real[:, None, None, :, None], atol=1e-5)
+
+
+def test_minilm_encoder_roles(minilm):
+    heads, meta = R.compute_roles(minilm, n_inputs=12, seed=0)
+    assert meta["model_kind"] == "encoder" and len(heads) == 72
+    for role in ("local", "delimiter", "cls", "sep", "block", "block_entropy", "syntactic_nsubj", "syntactic"):
+        assert heads[f"{role}_p"].between(0, 1).all() and heads[f"{role}_sig"].dtype == bool
+    table = R.role_table(heads)
+    assert table.loc["total", "cls"] == heads["cls_sig"].sum()
+
+
+def test_compute_roles_rejects_bad_parameters(random_model):
+    with pytest.raises(UsageError, match="correction"):
+        R.compute_roles(random_model, n_inputs=4, correction="holm")
+    with pytest.raises(UsageError, match="at least 2"):
+        R.compute_roles(random_model, n_inputs=1)
+
+
+def test_roles_command_prints_and_writes(planted, tmp_path, capsys):
+    _, truth, folder = planted
+    main(["roles", str(folder), "--n-inputs", "10", "--out", str(tmp_path), "--identity-map"])
+    out = capsys.readouterr().out
+    assert "previous_token" in out and "identity score" in out
+    heads = pd.read_parquet(tmp_path / "roles.parquet")
+    assert set(heads.loc[heads["identity_sig"], "head"]) == set(truth.identity_heads)
+    meta = json.loads((tmp_path / "roles.json").read_text())
+    assert meta["inputs"]["ioi"]["n"] == 10 and meta["correction"] == "bh"
+
+
+def test_roles_command_unknown_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["roles", "./no/such/folder"])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
