@@ -1,0 +1,258 @@
+"""Loading runs into both stores: round trip, one copy on reload, invisible half-loads, deletion, runs and
+models side by side, read-only refusal, locking and unreachable servers. Neo4j tests use the real server."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pandas as pd
+import pytest
+from _pairs import HUB, planted_pairs
+from click.testing import CliRunner
+
+from headgraph.cli import cli, main
+from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.loader.graph import SelectionPolicy, build_run_graph
+from headgraph.loader.ladybug_store import LadybugStore
+from headgraph.loader.store import open_store
+from headgraph.queries.runner import run_named
+
+EDGES_OF_RUN = "MATCH (a:Head)-[r]->(b:Head) WHERE a.run_id = $run RETURN r.kind, a.name, b.name, r.pk, r.rank"
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return planted_pairs()
+
+
+SESSION = f"test-{uuid.uuid4().hex[:6]}"
+
+
+def new_run_id():
+    return f"{SESSION}-{uuid.uuid4().hex[:8]}"
+
+
+def graph_of(tables, run_id, model="toy-model", top_k=20):
+    pairs, heads = tables
+    return build_run_graph(pairs, heads, {"id": run_id, "model": model, "processing": "tl"}, SelectionPolicy(top_k))
+
+
+@pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])
+def store(request, tmp_path):
+    """An empty embedded store, or the real Neo4j server (this session's runs are deleted afterwards)."""
+    if request.param == "ladybug":
+        opened = LadybugStore(tmp_path / "graph.lbdb")
+    else:
+        config = request.getfixturevalue("neo4j_config")
+        opened = open_store(neo4j=config["uri"], user=config["user"], password=config["password"])
+    yield opened
+    for run in opened.runs():
+        if run["id"].startswith(SESSION):
+            opened.delete_run(run["id"])
+    opened.close()
+
+
+def load(store, graph, **kwargs):
+    store.load_run(graph, progress=False, **kwargs)
+
+
+def stored_edges(store, run_id):
+    rows = store.read(EDGES_OF_RUN, {"run": run_id}).rows
+    return pd.DataFrame(rows, columns=["kind", "source", "target", "pk", "rank"])
+
+
+def count_heads(store, run_id):
+    return store.read("MATCH (h:Head) WHERE h.run_id = $run RETURN count(h)", {"run": run_id}).rows[0][0]
+
+
+def test_round_trip_stores_the_top_k_edges_of_each_type(store, tables):
+    run_id = new_run_id()
+    load(store, graph_of(tables, run_id, top_k=7), batch_size=10)
+    pairs, heads = tables
+    kinds = pairs["source_type"] + pairs["target_type"]
+    expected = pairs.assign(kind=kinds).sort_values("pk", ascending=False).groupby("kind").head(7)
+    got = stored_edges(store, run_id)
+    key = ["kind", "source", "target"]
+    merged = got.merge(expected, on=key, how="outer", suffixes=("", "_expected"), indicator=True)
+    assert (merged["_merge"] == "both").all()
+    np.testing.assert_allclose(merged["pk"], merged["pk_expected"])
+    assert sorted(got.groupby("kind")["rank"].apply(sorted).sum()) == sorted(list(range(1, 8)) * 3)
+    assert count_heads(store, run_id) == len(heads)
+    (row,) = [r for r in store.runs() if r["id"] == run_id]
+    assert (row["status"], row["heads"], row["edges"], row["policy"]) == ("complete", 24, 21, "top 7 per type by PK")
+
+
+def test_reloading_a_run_leaves_one_copy(store, tables):
+    run_id = new_run_id()
+    graph = graph_of(tables, run_id)
+    load(store, graph, batch_size=16)
+    load(store, graph, batch_size=1000)
+    assert len(stored_edges(store, run_id)) == len(graph.edges) == 60
+    assert count_heads(store, run_id) == 24
+    assert [r["id"] for r in store.runs()].count(run_id) == 1
+
+
+class Crash(Exception):
+    """Raised by the fault-injection hook half-way through a load."""
+
+
+def test_a_half_load_is_never_visible_and_the_next_load_cleans_it_up(store, tables):
+    complete = new_run_id()
+    load(store, graph_of(tables, complete))
+    crashing = new_run_id()
+    seen_during_load = {}
+
+    def crash_half_way(done, total):
+        if done == total // 2:
+            seen_during_load["heads_written"] = count_heads(store, crashing)
+            seen_during_load["hubs"] = run_named(store, "hubs", {"run": crashing}).rows
+            seen_during_load["latest"] = store.latest_run()
+            raise Crash("simulated crash")
+
+    with pytest.raises(Crash):
+        load(store, graph_of(tables, crashing), batch_size=8, after_batch=crash_half_way, cleanup_on_error=False)
+    assert seen_during_load["heads_written"] > 0  # data was there ...
+    assert seen_during_load["hubs"] == []  # ... but no query saw it
+    assert seen_during_load["latest"] is not None and seen_during_load["latest"] != crashing
+    assert {r["id"]: r["status"] for r in store.runs()}[crashing] == "loading"
+    assert run_named(store, "top-edges", {"run": crashing}).rows == []
+
+    load(store, graph_of(tables, crashing), batch_size=8)
+    assert len(stored_edges(store, crashing)) == 60
+    assert count_heads(store, crashing) == 24
+    assert run_named(store, "hubs", {"run": crashing, "limit": "1"}).rows[0][0] == HUB
+
+
+def test_a_failed_load_removes_its_partial_data(store, tables):
+    run_id = new_run_id()
+
+    def crash(done, total):
+        if done == 3:
+            raise Crash("simulated crash")
+
+    with pytest.raises(Crash):
+        load(store, graph_of(tables, run_id), batch_size=8, after_batch=crash)
+    assert count_heads(store, run_id) == 0
+    assert run_id not in [r["id"] for r in store.runs()]
+
+
+def test_runs_and_models_live_side_by_side_and_delete_removes_one(store, tables):
+    first, second = new_run_id(), new_run_id()
+    model_b = f"model-{uuid.uuid4().hex[:6]}"
+    load(store, graph_of(tables, first, top_k=5))
+    load(store, graph_of(tables, second, model=model_b, top_k=10))
+    assert len(stored_edges(store, first)) == 15 and len(stored_edges(store, second)) == 30
+    models = "MATCH (m:Model) WHERE m.name = $name RETURN count(m)"
+    assert store.read(models, {"name": model_b}).rows == [[1]]
+
+    assert store.delete_run(second) is True
+    assert store.delete_run(second) is False
+    assert len(stored_edges(store, second)) == 0 and count_heads(store, second) == 0
+    assert store.read(models, {"name": model_b}).rows == [[0]]  # no run uses it any more
+    assert len(stored_edges(store, first)) == 15
+
+
+def test_role_results_become_head_properties(store, tables):
+    run_id = new_run_id()
+    load(store, graph_of(tables, run_id))
+    values = pd.DataFrame({"name": ["L0H1", HUB], "induction_score": [4.5, 1.0], "induction_sig": [True, False]})
+    store.set_head_properties(run_id, values)
+    rows = store.read(
+        "MATCH (h:Head) WHERE h.run_id = $run AND h.induction_sig = true RETURN h.name, h.induction_score",
+        {"run": run_id},
+    ).rows
+    assert rows == [["L0H1", 4.5]]
+    with pytest.raises(UsageError):
+        store.set_head_properties(run_id, pd.DataFrame({"name": ["L0H1"], "not a column": [1]}))
+
+
+def test_the_read_path_refuses_writes(store, tables):
+    run_id = new_run_id()
+    load(store, graph_of(tables, run_id))
+    with pytest.raises(ReadOnlyViolation):
+        store.read("MATCH (h:Head) WHERE h.run_id = $run SET h.name = 'x'", {"run": run_id})
+    with pytest.raises(ReadOnlyViolation):
+        store.read("CREATE (:Run {id: 'sneaky'})")
+    assert store.read("MATCH (r:Run) WHERE r.id = 'sneaky' RETURN count(r)").rows == [[0]]
+
+
+def run_cli(capsys, *args):
+    """(exit code, stdout, stderr) of the `headgraph` entry point."""
+    with pytest.raises(SystemExit) as exited:
+        main([*args])
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+def test_cypher_command_refuses_writes_on_the_embedded_store(tmp_path, tables, capsys):
+    path = tmp_path / "cli.lbdb"
+    with LadybugStore(path) as opened:
+        load(opened, graph_of(tables, "cli-run"))
+    code, _, err = run_cli(capsys, "cypher", "CREATE (:Run {id: 'x'})", "--db", str(path))
+    assert code == ReadOnlyViolation.exit_code and err.startswith("error: ") and err.count("\n") == 1
+    result = CliRunner().invoke(cli, ["cypher", "MATCH (r:Run) RETURN r.id AS id", "--db", str(path), "--format", "json"])
+    assert result.exit_code == 0 and json.loads(result.output) == [{"id": "cli-run"}]
+
+
+@pytest.mark.neo4j
+def test_cypher_command_refuses_writes_on_neo4j(neo4j_config, monkeypatch, capsys):
+    monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
+    args = ["--neo4j", neo4j_config["uri"], "--neo4j-user", neo4j_config["user"]]
+    code, _, err = run_cli(capsys, "cypher", "CREATE (:Run {id: 'cli-sneaky'})", *args)
+    assert code == ReadOnlyViolation.exit_code and err.startswith("error: ") and err.count("\n") == 1
+    check = CliRunner().invoke(cli, ["cypher", "MATCH (r:Run {id: 'cli-sneaky'}) RETURN count(r) AS n", *args, "--format", "csv"])
+    assert check.exit_code == 0 and check.output.splitlines() == ["n", "0"]
+
+
+def test_a_second_writer_waits_then_gets_a_clear_error(tmp_path):
+    path = tmp_path / "locked.lbdb"
+    LadybugStore(path).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, ladybug
+            db = ladybug.Database({str(path)!r})
+            print("holding", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(StoreUnavailable, match="in use by another process") as error:
+            LadybugStore(path, lock_timeout=0.5)
+        assert "\n" not in str(error.value)
+        with LadybugStore(path, read_only=True) as reader:  # readers are not blocked
+            assert reader.runs() == []
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    LadybugStore(path).close()  # free again once the holder exits
+
+
+def test_store_selection_follows_options_and_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("NEO4J_URI", raising=False)
+    monkeypatch.setenv("HEADGRAPH_DB", str(tmp_path / "from-env.lbdb"))
+    with open_store() as opened:
+        assert opened.description == f"LadybugDB at {tmp_path / 'from-env.lbdb'}"
+    with pytest.raises(UsageError):
+        open_store(db=str(tmp_path / "x.lbdb"), neo4j="bolt://127.0.0.1:7687")
+    with pytest.raises(StoreUnavailable, match="no headgraph store"):
+        open_store(db=str(tmp_path / "missing.lbdb"), read_only=True)
+
+
+def test_an_unreachable_neo4j_is_one_clear_line(capsys):
+    with pytest.raises(StoreUnavailable, match="cannot reach Neo4j") as error:
+        open_store(neo4j="bolt://127.0.0.1:1", user="neo4j", password="x")
+    assert "\n" not in str(error.value)
+    code, _, err = run_cli(capsys, "query", "hubs", "--neo4j", "bolt://127.0.0.1:1")
+    assert code == StoreUnavailable.exit_code and err.startswith("error: cannot reach Neo4j") and err.count("\n") == 1
+
+
+@pytest.mark.neo4j
+def test_a_wrong_neo4j_password_is_one_clear_line(neo4j_config):
+    with pytest.raises(StoreUnavailable, match="refused user") as error:
+        open_store(neo4j=neo4j_config["uri"], user=neo4j_config["user"], password="definitely-wrong")
+    assert "\n" not in str(error.value)
