@@ -117,19 +117,20 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identi
     loaded = load_model(model, processing="raw", device=device)
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         heads, meta = compute_roles(loaded, n_inputs, seed, tau, alpha, correction, progress=progress)
-    counts = role_table(heads)
+    counts = role_table(heads).T
     console = Console()
-    table = Table(title=f"{loaded.name}: heads per role and layer ({meta['model_kind']}, tau={tau}, "
-                        f"alpha={alpha}, correction={correction}, {n_inputs} inputs per set)")
-    table.add_column("layer")
-    for role in counts.columns:
-        table.add_column(role, justify="right")
-    for layer, row in counts.iterrows():
-        table.add_row(str(layer), *(str(v) for v in row))
+    table = Table(title=f"{loaded.name}: heads per role and layer",
+                  caption=f"{meta['model_kind']}; t-test of sieve bias > {tau}, alpha={alpha}, "
+                          f"correction={correction}, {n_inputs} inputs per set")
+    table.add_column("role")
+    for layer in counts.columns:
+        table.add_column(str(layer), justify="right")
+    for role, row in counts.iterrows():
+        table.add_row(role, *(str(v) for v in row))
     console.print(table)
     if identity_map:
         grid = identity_array(heads)
-        id_table = Table(title="identity score (mean self-attention) by layer (rows) and head (columns)")
+        id_table = Table(title="identity score (mean self-attention)", caption="rows: layers, columns: heads")
         id_table.add_column("layer")
         for h in range(grid.shape[1]):
             id_table.add_column(str(h), justify="right")
