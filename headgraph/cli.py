@@ -188,8 +188,10 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
     console = Console()
     table = Table(title=f"{classes.name} classes ({present} of {len(classes.heads)} class heads in this run), "
                         f"top-{top_k} graph per type")
+    headers = {"positives": "both in class", "in_class": "in-class", "out_of_class": "out-of-class",
+               "roc_auc": "ROC-AUC", "pr_auc": "PR-AUC", "positive_rate": "base rate"}
     for col in rows.columns:
-        table.add_column(col, justify="left" if col in ("metric", "scope") else "right")
+        table.add_column(headers.get(col, col), justify="left" if col in ("metric", "scope") else "right")
     for r in rows.itertuples(index=False):
         table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r))
     console.print(table)
