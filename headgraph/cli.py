@@ -216,13 +216,13 @@ def report_command(run, classes_name, out_dir, policy, store):
     from rich.progress import Progress
 
     from headgraph.analysis.classes import load_classes
-    from headgraph.report import FIGURE_COUNT, render_report, resolve_run_dir
+    from headgraph.report import FIGURE_COUNT, load_run, render_report, resolve_run_dir
 
-    run_dir = resolve_run_dir(run, store)
+    loaded = load_run(resolve_run_dir(run, store))
     classes = load_classes(classes_name) if classes_name else None
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task("rendering report", total=FIGURE_COUNT + 1)
-        paths = render_report(run_dir, policy=policy, classes=classes, out_dir=out_dir,
+        paths = render_report(loaded, policy=policy, classes=classes, out_dir=out_dir,
                               advance=lambda: progress.advance(task))
     click.echo(f"wrote {paths['report.md']}, {paths['report.html']} and "
                f"{sum(name.endswith('.png') for name in paths)} figures (PNG + SVG) to {paths['report.md'].parent}")

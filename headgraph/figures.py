@@ -146,8 +146,7 @@ def kl_heatmap(kl, model):
     matrix = np.array([[np.nan if kl.get(s + t) is None else kl[s + t] for t in WEIGHT_TYPES]
                        for s in WEIGHT_TYPES], dtype=float)
     fig, ax = plt.subplots(figsize=(5.8, 4.8))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#bdbdbd")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#bdbdbd")
     finite = matrix[np.isfinite(matrix)]
     vmax = finite.max() if finite.size else 1.0
     im = ax.imshow(np.ma.masked_invalid(matrix), cmap=cmap, vmin=0, vmax=vmax)

@@ -401,13 +401,13 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
 
 
 def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None):
-    """Render figures, report.md and report.html for a run folder; return {name: path}.
+    """Render figures, report.md and report.html for a run folder (or a loaded Run); return {name: path}.
 
     policy: the edge selection (default: top 20 per type by PK); classes: a HeadClasses (default: the
     project's known classes for the model, if any). Output goes to out_dir (default: the run folder).
     advance() is called FIGURE_COUNT + 1 times as the work proceeds.
     """
-    run = load_run(run_dir)
+    run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     edges = select_edges(run.pairs, policy)
