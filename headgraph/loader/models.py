@@ -65,11 +65,11 @@ def minilm_dir() -> Path | None:
 
 def cached_hub_models() -> list[str]:
     """Hub repositories present in the local Hugging Face cache with a config.json."""
-    from huggingface_hub import scan_cache_dir
+    from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        cache = scan_cache_dir()
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
     except CacheNotFound:
         return []
     return sorted(
@@ -111,11 +111,12 @@ def _hub_reachable() -> bool:
 
 def _hub_snapshot(name: str) -> Path:
     """A local snapshot folder of hub repo `name`: from the cache, else downloaded when the hub answers."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
 
+    cache = constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, local_files_only=True))
+        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache, local_files_only=True))
     except HFValidationError:
         raise unavailable(name) from None
     except Exception:  # noqa: BLE001 - any cache miss means: try the hub, if reachable
@@ -124,7 +125,7 @@ def _hub_snapshot(name: str) -> Path:
         raise unavailable(name)
     try:
         with quiet():
-            return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
+            return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - network, auth or missing repo: one line to the user
         raise ModelUnavailable(f"model '{name}' could not be fetched from the hub: {type(e).__name__}") from None
 
@@ -195,22 +196,28 @@ def load_hf_model(folder: Path, device: str):
     try:
         model, info = model_class.from_pretrained(
             str(folder), config=config, dtype=torch.float32, attn_implementation="eager",
-            local_files_only=True, output_loading_info=True,
+            local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True,
         )
     except Exception as e:  # noqa: BLE001 - safetensors/torch raise many types for a bad checkpoint
         raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(e)}") from None
     if info["mismatched_keys"]:
         key, found, expected = sorted(info["mismatched_keys"])[0]
-        raise BadWeights(f"weights in '{folder}' do not match the config: {key} has shape {found}, expected {expected}")
+        raise BadWeights(f"weights in '{folder}' do not match the config: {key} has shape {tuple(found)}, expected {tuple(expected)}")
     if info["error_msgs"]:
         raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(info['error_msgs'][0])}")
     missing = _base_prefix_missing(model, info["missing_keys"])
     if missing:
         raise BadWeights(f"weights in '{folder}' lack {len(missing)} tensors, e.g. {missing[0]}")
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    bad = next((n for n, p in model.named_parameters() if not all_finite(p)), None)
     if bad is not None:
         raise BadWeights(f"weights in '{folder}' contain NaN or Inf in {bad}")
     return model.to(device).eval()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in t. A NaN or Inf makes the sum non-finite; only then (or on overflow) check element-wise."""
+    with torch.no_grad():
+        return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _first_line(e) -> str:
@@ -246,7 +253,7 @@ def check_head_weights(weights: dict[str, torch.Tensor], cfg: dict) -> None:
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise BadWeights(f"{name} has shape {tuple(weights[name].shape)}, expected {shape}")
-        if not torch.isfinite(weights[name]).all():
+        if not all_finite(weights[name]):
             raise BadWeights(f"{name} contains NaN or Inf")
 
 

@@ -158,3 +158,34 @@ def save_synthetic(
     _check_shape(n_layers, n_heads, d_model, d_head, n_ctx, vocab)
     state = weights if weights is not None else random_gpt2_state(n_layers, n_heads, d_model, n_ctx, vocab, seed)
     return save_gpt2_folder(path, state, gpt2_config(n_layers, n_heads, d_model, n_ctx, vocab))
+
+
+def save_synthetic_gqa(
+    path,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    d_model: int = 64,
+    d_head: int = 16,
+    n_ctx: int = 128,
+    vocab: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a random-init Llama-architecture model with grouped-query attention (n_kv_heads < n_heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headgraph.loader.models import quiet
+
+    if n_heads % n_kv_heads or min(n_layers, n_kv_heads, d_model, d_head, n_ctx) < 1 or vocab < 300:
+        raise UsageError("GQA model needs positive sizes, n_heads a multiple of n_kv_heads and vocab >= 300")
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=d_head, max_position_embeddings=n_ctx,
+        bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=vocab - 1, tie_word_embeddings=False,
+    )
+    path = Path(path)
+    with torch.random.fork_rng(), quiet():
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(str(path))
+    save_tokenizer(path, vocab)
+    return path
