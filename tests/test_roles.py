@@ -117,6 +117,9 @@ def test_decoder_sieves_on_a_repeated_sequence():
     assert [s["duplicate_token"][i] for i in (2, 4, 5, 6)] == [[], [1], [2], [3]]
     # induction: the token after the earlier copy of the query's token
     assert [s["induction"][i] for i in (3, 4, 5, 6)] == [[], [2], [3], [4]]
+    repeat = decoder_sieves([99, 5, 5, 6, 5])
+    assert repeat["induction"][2] == [] and repeat["induction"][4] == [2, 3]  # never the query itself
+    assert repeat["duplicate_token"][4] == [1, 2]
 
 
 def encoder_example():

@@ -49,7 +49,7 @@ def _previous_token(x, q, k):
 
 
 def _bos(x, q, k):
-    return (k == 0).expand_as(q == k)
+    return k == 0
 
 
 def _duplicate_token(x, q, k):
@@ -69,7 +69,7 @@ def _local(x, q, k):
 
 def _key_kind(*kinds):
     def sieve(x, q, k):
-        return torch.isin(x.token_kind, torch.tensor(kinds))[:, None, :].expand(-1, q.shape[0], -1)
+        return torch.isin(x.token_kind, torch.tensor(kinds))[:, None, :]
     return sieve
 
 
@@ -125,7 +125,7 @@ def visible_keys(inputs: TokenInputs, causal: bool) -> torch.Tensor:
 
 
 def role_sieve(role: Role, inputs: TokenInputs, visible: torch.Tensor) -> torch.Tensor:
-    """bool [batch, query, key]: the role's sieve restricted to visible keys."""
+    """bool [batch, query, key]: the role's sieve (broadcast from what it depends on) restricted to visible keys."""
     pos = torch.arange(visible.shape[1])
     return role.sieve(inputs, pos[:, None], pos[None, :]) & visible
 
