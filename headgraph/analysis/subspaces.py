@@ -1,0 +1,101 @@
+"""Orthonormal bases of attention-head weight subspaces (thin SVD, numerical rank kept).
+
+Subspaces live in the residual stream (d_model). For weight type Q, K or V the subspace of a head is the
+column space of its `W_Q[l, h]`, `W_K[l, h]` or `W_V[l, h]` (d_model x d_head): what the head reads. For O it
+is the column space of `W_O[l, h].T`: what the head writes. K and V of grouped-query models keep their native
+KV heads (axis 1 of `W_K` / `W_V` has n_kv_heads entries), so no expanded copy is ever counted twice.
+
+Every head's basis has width d_head; columns past its numerical rank are zero, so a rank-deficient head
+contributes exactly its own rank to every Projection Kernel without special casing.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+WEIGHT_TYPES = ("Q", "K", "V", "O")
+
+
+@dataclass(frozen=True)
+class SubspaceBases:
+    """Bases of one weight type for all heads: `bases[l, h]` is d_model x d_head, orthonormal up to its rank."""
+
+    weight_type: str
+    bases: torch.Tensor
+    ranks: torch.Tensor
+    singular_values: torch.Tensor
+
+    @property
+    def n_layers(self) -> int:
+        return self.bases.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.bases.shape[1]
+
+    @property
+    def d_model(self) -> int:
+        return self.bases.shape[2]
+
+    @property
+    def width(self) -> int:
+        return self.bases.shape[3]
+
+    def flat(self) -> torch.Tensor:
+        """Bases as [n_layers * n_heads, d_model, d_head], heads ordered by layer then index."""
+        return self.bases.reshape(-1, self.d_model, self.width)
+
+    def flat_layers(self) -> torch.Tensor:
+        """Layer of each head of `flat()`."""
+        return torch.arange(self.n_layers).repeat_interleave(self.n_heads)
+
+    def flat_heads(self) -> torch.Tensor:
+        """Head index (within its layer) of each head of `flat()`."""
+        return torch.arange(self.n_heads).repeat(self.n_layers)
+
+
+def head_matrices(weights: torch.Tensor, weight_type: str) -> torch.Tensor:
+    """The d_model x d_head matrix whose column space is each head's subspace, [n_layers, n_heads, d, k]."""
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    if weights.ndim != 4:
+        raise ValueError(f"W_{weight_type} must be [n_layers, n_heads, ., .], got shape {tuple(weights.shape)}")
+    return weights.transpose(-2, -1) if weight_type == "O" else weights
+
+
+def rank_tolerance(shape: tuple[int, int], dtype: torch.dtype) -> float:
+    """Relative singular-value threshold max(shape) * eps of the compute dtype (as numpy.linalg.matrix_rank)."""
+    return max(shape) * torch.finfo(dtype).eps
+
+
+def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dtype) -> SubspaceBases:
+    """Batched thin SVD of [n_layers, n_heads, d, k] matrices; columns beyond the numerical rank are zeroed."""
+    work = matrices.to(dtype=dtype)
+    left, singular_values, _ = torch.linalg.svd(work, full_matrices=False)
+    tolerance = rank_tolerance(tuple(work.shape[-2:]), dtype)
+    threshold = singular_values[..., :1] * tolerance
+    kept = singular_values > threshold
+    ranks = kept.sum(dim=-1)
+    bases = left * kept.unsqueeze(-2).to(dtype)
+    return SubspaceBases(weight_type=weight_type, bases=bases, ranks=ranks, singular_values=singular_values)
+
+
+def model_subspaces(weights: dict[str, torch.Tensor], types: set[str], dtype: torch.dtype,
+                    device: torch.device) -> dict[str, SubspaceBases]:
+    """Bases for each weight type in `types`, from TL-layout weights {"Q": W_Q, "K": W_K, "V": W_V, "O": W_O}."""
+    return {
+        t: orthonormal_bases(head_matrices(weights[t].to(device), t), t, dtype)
+        for t in WEIGHT_TYPES
+        if t in types
+    }
+
+
+def rank_deficient_heads(subspaces: dict[str, SubspaceBases]) -> list[dict]:
+    """One record per (type, head) whose numerical rank is below d_head."""
+    records = []
+    for weight_type, sub in subspaces.items():
+        deficient = torch.nonzero(sub.ranks < sub.width, as_tuple=False).cpu().tolist()
+        for layer, head in deficient:
+            records.append({"type": weight_type, "layer": layer, "head": head,
+                            "rank": int(sub.ranks[layer, head]), "d_head": sub.width})
+    return records
