@@ -233,3 +233,10 @@ def test_hub_name_loads_from_the_local_hf_cache(synthetic_dir, tmp_path, monkeyp
     model = load_model("headgraph-test/tiny-gpt2", processing="raw", device="cpu")
     assert model.name == "headgraph-test/tiny-gpt2" and model.source == str(repo / "snapshots" / commit)
     torch.testing.assert_close(model.W_Q, load_model(synthetic_dir, processing="raw", device="cpu").W_Q)
+
+
+def test_cuda_request_without_cuda_is_a_usage_error(synthetic_dir):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(UsageError, match="no CUDA"):
+        load_model(synthetic_dir, device="cuda")

@@ -123,9 +123,8 @@ def _hub_snapshot(name: str) -> Path:
         pass
     if not _hub_reachable():
         raise unavailable(name)
-    try:
-        with quiet():
-            return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache))
+    try:  # a download is long work: let the hub show its progress bars
+        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - network, auth or missing repo: one line to the user
         raise ModelUnavailable(f"model '{name}' could not be fetched from the hub: {type(e).__name__}") from None
 
@@ -275,6 +274,8 @@ def load_model(name_or_dir, processing: str = "tl", device: str | None = None) -
     if processing not in PROCESSINGS:
         raise UsageError(f"processing must be one of {', '.join(PROCESSINGS)}, got '{processing}'")
     device = device or default_device()
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device '{device}' is not available here (no CUDA); use cpu")
     name, folder = resolve_model(name_or_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with quiet():
