@@ -83,8 +83,8 @@ def reference_distribution(mean, var, upper):
     return stats.beta(x * common, (1 - x) * common, scale=upper)
 
 
-def _grid(n):
-    cols = int(np.ceil(np.sqrt(n)))
+def _grid(n, max_cols=4):
+    cols = min(int(np.ceil(np.sqrt(n))), max_cols)
     return int(np.ceil(n / cols)), cols
 
 
@@ -283,7 +283,7 @@ def role_heatmaps(heads, model):
     if not roles:
         return None
     n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1
-    nrows, ncols = _grid(len(roles))
+    nrows, ncols = _grid(len(roles), max_cols=3)
     cell = 0.42 if n_heads > 8 else 0.6
     fig, axes = plt.subplots(nrows, ncols, squeeze=False,
                              figsize=(ncols * (cell * n_heads + 2.2), nrows * (cell * n_layers + 1.4)))
