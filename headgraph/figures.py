@@ -19,6 +19,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from headgraph.analysis.reference import beta_parameters  # noqa: E402
+
 WEIGHT_TYPES = ("Q", "K", "V", "O")
 TYPE_PAIRS = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
 COMPOSITION_TYPES = ("OQ", "OK", "OV")
@@ -78,9 +80,8 @@ def save_figure(fig, out_dir, stem):
 
 def reference_distribution(mean, var, upper):
     """Beta distribution on [0, upper] with the given mean and variance (the isotropic PK reference)."""
-    x, v = mean / upper, var / upper**2
-    common = x * (1 - x) / v - 1
-    return stats.beta(x * common, (1 - x) * common, scale=upper)
+    a, b = beta_parameters(mean, var, upper)
+    return stats.beta(float(a), float(b), scale=upper)
 
 
 def _grid(n, max_cols=4):

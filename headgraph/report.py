@@ -16,15 +16,13 @@ import numpy as np
 import pandas as pd
 
 from headgraph import figures
+from headgraph.analysis.artifacts import PAIR_COLUMNS, read_artifacts
 from headgraph.analysis.centrality import head_centrality, hub_report
 from headgraph.analysis.classes import HeadClasses, load_classes
 from headgraph.analysis.evaluation import COMPOSITION_TYPES, evaluate_pairs
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.loader.graph import SelectionPolicy, select_edges
 
-PAIR_COLUMNS = ("source", "target", "source_layer", "source_head", "target_layer", "target_head",
-                "source_type", "target_type", "pk", "pk_norm", "z_iso", "log10_p_iso", "p_model",
-                "q_model", "cs")
 HEAD_COLUMNS = ("head", "layer", "index")
 DEFAULT_EVAL_K = 20
 
@@ -79,21 +77,16 @@ def load_run(run_dir):
     path = Path(run_dir)
     if not path.is_dir():
         raise UsageError(f"run folder '{path}' does not exist; pass the --out folder of `headgraph analyze`")
-    missing = [name for name in ("run.json", "pairs.parquet", "heads.parquet") if not (path / name).is_file()]
-    if missing:
-        raise UsageError(f"'{path}' is not a complete run folder (missing {', '.join(missing)}); "
-                         "rerun `headgraph analyze --out` into it")
     try:
-        meta = json.loads((path / "run.json").read_text())
-        pairs = pd.read_parquet(path / "pairs.parquet")
-        heads = pd.read_parquet(path / "heads.parquet")
+        result = read_artifacts(path)
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot read the run in '{path}' ({e}); rerun `headgraph analyze` into it") from e
-    for name, frame, columns in (("pairs.parquet", pairs, PAIR_COLUMNS), ("heads.parquet", heads, HEAD_COLUMNS)):
+    for name, frame, columns in (("pairs.parquet", result.pairs, PAIR_COLUMNS),
+                                 ("heads.parquet", result.heads, HEAD_COLUMNS)):
         absent = [c for c in columns if c not in frame.columns]
         if absent:
             raise UsageError(f"{path / name} lacks columns {', '.join(absent)}; rerun `headgraph analyze`")
-    return Run(path=path, meta=meta, pairs=pairs, heads=heads)
+    return Run(path=path, meta=result.run, pairs=result.pairs, heads=result.heads)
 
 
 def type_summary(run, fraction=0.03, q_level=0.05):
