@@ -13,11 +13,14 @@ import pytest
 from _pairs import HUB, planted_pairs
 from click.testing import CliRunner
 
+from headgraph.analysis.centrality import MEASURES, hub_report
 from headgraph.cli import cli, main
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
 from headgraph.loader.graph import SelectionPolicy, build_run_graph
 from headgraph.loader.ladybug_store import LadybugStore
+from headgraph.loader.models import load_model
 from headgraph.loader.store import open_store
+from headgraph.pipeline import analyze
 from headgraph.queries.runner import run_named
 
 EDGES_OF_RUN = "MATCH (a:Head)-[r]->(b:Head) WHERE a.run_id = $run RETURN r.kind, a.name, b.name, r.pk, r.rank"
@@ -83,6 +86,27 @@ def test_round_trip_stores_the_top_k_edges_of_each_type(store, tables):
     assert count_heads(store, run_id) == len(heads)
     (row,) = [r for r in store.runs() if r["id"] == run_id]
     assert (row["status"], row["heads"], row["edges"], row["policy"]) == ("complete", 24, 21, "top 7 per type by PK")
+
+
+@pytest.fixture(scope="module")
+def planted_analysis(planted):
+    folder, truth = planted
+    return analyze(load_model(str(folder)), reference_samples=2000, null_heads=20, progress=False), truth
+
+
+def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
+    result, truth = planted_analysis
+    run_id = new_run_id()
+    # 3 layers x 4 heads: 48 pairs per type; the top 5 per type holds every planted edge
+    graph = build_run_graph(result.pairs, result.heads, {**result.run, "id": run_id}, SelectionPolicy(top_k=5))
+    load(store, graph)
+    assert [r["head"] for r in run_named(store, "hubs", {"run": run_id, "limit": "1"}).records()][:1] == [truth.hub]
+    report = hub_report(graph.heads[["name", *MEASURES]], graph.edges)
+    assert report["hubs"][0]["head"] == truth.hub
+    top = {(r["source"], r["target"], r["kind"]) for r in run_named(store, "top-edges", {"run": run_id, "limit": "2"}).records()}
+    assert {(s, t, kind) for s, t, kind, _ in truth.edges} <= top
+    (run,) = [r for r in store.runs() if r["id"] == run_id]
+    assert (run["model"], run["processing"], run["types"]) == (result.run["model"]["name"], "tl", ["OQ", "OK", "OV"])
 
 
 def test_reloading_a_run_leaves_one_copy(store, tables):

@@ -34,7 +34,6 @@ from headgraph.loader.store import (
 
 DEFAULT_TOP_K = 20
 PAIR_COLUMNS = ("source", "target", "source_layer", "target_layer", "source_type", "target_type", "pk")
-_HEAD_NAME = re.compile(r"^L(\d+)H(\d+)$")
 _ROLE_COLUMN = re.compile(r"^[a-z][a-z0-9_]*_(score|p|sig)$")
 
 
@@ -108,6 +107,11 @@ def _model_record(run: Mapping[str, Any]) -> dict[str, Any]:
     return {name: info.get(name) for name in MODEL_PROPERTIES}
 
 
+def _model_source(run: Mapping[str, Any]) -> str | None:
+    model = run.get("model")
+    return model.get("source") if isinstance(model, Mapping) else None
+
+
 def _run_id(run: Mapping[str, Any], model_name: str) -> str:
     given = run.get("id") or run.get("run_id")
     if given:
@@ -116,14 +120,19 @@ def _run_id(run: Mapping[str, Any], model_name: str) -> str:
     return f"{slug}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
 
 
-def _heads_from_pairs(pairs: pd.DataFrame) -> pd.DataFrame:
-    names = pd.concat(
+def with_pair_endpoints(heads: pd.DataFrame | None, pairs: pd.DataFrame) -> pd.DataFrame:
+    """The heads table plus every pair endpoint it lacks (e.g. the native KV heads `L3KV1` of a
+    grouped-query model), so that every edge has both of its Head nodes."""
+    ends = pd.concat(
         [
-            pairs[["source", "source_layer"]].set_axis(["head", "layer"], axis=1),
-            pairs[["target", "target_layer"]].set_axis(["head", "layer"], axis=1),
-        ]
+            pairs[["source", "source_layer", "source_head"]].set_axis(["head", "layer", "index"], axis=1),
+            pairs[["target", "target_layer", "target_head"]].set_axis(["head", "layer", "index"], axis=1),
+        ],
+        ignore_index=True,
     ).drop_duplicates("head")
-    return names.assign(index=names["head"].str.extract(_HEAD_NAME)[1].astype(int))
+    if heads is None or not len(heads):
+        return ends.reset_index(drop=True)
+    return pd.concat([heads, ends[~ends["head"].isin(heads["head"])]], ignore_index=True)
 
 
 def head_rows(
@@ -163,8 +172,7 @@ def build_run_graph(
     model = _model_record(run)
     run_id = _run_id(run, model["name"])
     edges = select_edges(pairs, policy)
-    heads = heads if heads is not None and len(heads) else _heads_from_pairs(pairs)
-    rows = head_rows(heads, run_id, model["name"], classes)
+    rows = head_rows(with_pair_endpoints(heads, pairs), run_id, model["name"], classes)
     centrality = head_centrality(edges, rows["name"].tolist())
     rows = rows.drop(columns=[c for c in centrality.columns if c != "name" and c in rows.columns])
     rows = rows.merge(centrality, on="name", how="left")
@@ -172,7 +180,7 @@ def build_run_graph(
     record = {
         "id": run_id,
         "model": model["name"],
-        "source": str(run.get("source") or model["name"]),
+        "source": str(run.get("source") or _model_source(run) or model["name"]),
         "processing": run.get("processing"),
         "types": list(run.get("types") or kinds),
         "top_k": policy.top_k,

@@ -4,7 +4,8 @@ A query file starts with `//` comment lines: free text (its purpose), then one l
 
     // param <name>: <type> [= <default>] -- <description>
 
-Types: string, int, float, list (comma-separated strings), head (L4H7), node (a head L4H7 or a layer L4).
+Types: string, int, float, list (comma-separated strings), head (L4H7, or a native KV head L4KV1 of a
+grouped-query model), node (a head or a layer L4).
 A parameter without a default is required, except `run`, which defaults to the latest complete run.
 """
 
@@ -27,8 +28,8 @@ from headgraph.errors import UsageError
 from headgraph.loader.store import GraphStore, Rows
 
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
-_HEAD = re.compile(r"^L\d+H\d+$")
-_NODE = re.compile(r"^L\d+(H\d+)?$")
+_HEAD = re.compile(r"^L\d+(H|KV)\d+$")
+_NODE = re.compile(r"^L\d+((H|KV)\d+)?$")
 
 
 def _cast_list(text: str) -> list[str]:
