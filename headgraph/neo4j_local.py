@@ -1,0 +1,455 @@
+"""A throw-away, loopback-only Neo4j 5.26 Community server assembled from Maven Central jars (no Docker).
+
+    python3 -m headgraph.neo4j_local assemble|start|stop|status     (scripts/neo4j-local is a wrapper)
+
+The home lives outside the repository (default ~/.cache/headgraph/neo4j-5.26, env HEADGRAPH_NEO4J_HOME) and
+is assembled once with a throw-away pom and `mvn dependency:copy-dependencies`; later starts reuse it, and
+~/.m2 caches the jars. The server listens on 127.0.0.1 only, with auth enabled and the initial password
+NEO4J_PASSWORD (default `headgraph`, meant only for this local test server) set before its first start.
+Neo4j Browser is served at http://127.0.0.1:7474/browser/; a tiny loopback HTTP server next to it serves
+headgraph's Browser style and guide, which Browser applies on connect (`browser.post_connect_cmd`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import neo4j
+from neo4j.exceptions import AuthError, DriverError, Neo4jError
+
+from headgraph.errors import HeadgraphError, StoreUnavailable, UsageError
+
+NEO4J_VERSIONS = "[5.26.0,5.27.0)"  # the 5.26 LTS line, newest patch that resolves; runs on Java 17 and 21
+BROWSER_VERSION = "5.24.0"  # newest org.neo4j.client:neo4j-browser on Maven Central
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.6.1"
+ENTRY_POINT = "org.neo4j.server.CommunityEntryPoint"
+ADMIN_TOOL = "org.neo4j.cli.AdminTool"
+JVM_FLAGS = (
+    "-Xms512m",
+    "-Xmx1g",
+    "-XX:+UseG1GC",
+    "-XX:-OmitStackTraceInFastThrow",
+    "-XX:+DisableExplicitGC",
+    "-Djdk.nio.maxCachedBufferSize=1024",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+    "-Dlog4j2.disable.jmx=true",
+    "--add-opens=java.base/java.nio=ALL-UNNAMED",
+    "--add-opens=java.base/java.io=ALL-UNNAMED",
+    "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED",
+    "--enable-native-access=ALL-UNNAMED",
+)
+PAGE_CACHE = "512m"
+MIN_PASSWORD_LENGTH = 8  # Neo4j's dbms.security.auth_minimum_password_length default
+POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>local.headgraph</groupId>
+  <artifactId>neo4j-local-home</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency><groupId>org.neo4j</groupId><artifactId>neo4j</artifactId><version>{neo4j}</version></dependency>
+    <dependency><groupId>org.neo4j.client</groupId><artifactId>neo4j-browser</artifactId><version>{browser}</version></dependency>
+  </dependencies>
+</project>
+"""
+_SERVER_JAR = re.compile(r"^neo4j-(5\.26\.\d+)\.jar$")
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """Where the local server lives and how it is reached; `from_env()` reads the environment."""
+
+    home: Path
+    bolt_port: int = 7687
+    http_port: int = 7474
+    assets_port: int = 7480
+    password: str = "headgraph"
+    user: str = "neo4j"
+
+    @classmethod
+    def from_env(cls) -> LocalServer:
+        env = os.environ
+        home = Path(env.get("HEADGRAPH_NEO4J_HOME") or Path.home() / ".cache" / "headgraph" / "neo4j-5.26")
+        return cls(
+            home=home.expanduser().resolve(),
+            bolt_port=_port(env, "HEADGRAPH_NEO4J_BOLT_PORT", 7687),
+            http_port=_port(env, "HEADGRAPH_NEO4J_HTTP_PORT", 7474),
+            assets_port=_port(env, "HEADGRAPH_BROWSER_ASSETS_PORT", 7480),
+            password=env.get("NEO4J_PASSWORD") or "headgraph",
+        )
+
+    @property
+    def uri(self) -> str:
+        return f"bolt://127.0.0.1:{self.bolt_port}"
+
+    @property
+    def browser_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/browser/"
+
+    @property
+    def assets_url(self) -> str:
+        return f"http://127.0.0.1:{self.assets_port}"
+
+    @property
+    def lib(self) -> Path:
+        return self.home / "lib"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.home / "run" / "headgraph-neo4j.pid"
+
+    @property
+    def assets_pid_file(self) -> Path:
+        return self.home / "run" / "browser-assets.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "logs" / "neo4j.log"
+
+    @property
+    def console_log(self) -> Path:
+        return self.home / "logs" / "console.log"
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """A running local server: its process id and the version it reports over Bolt."""
+
+    pid: int
+    version: str
+
+
+def _port(env, name: str, default: int) -> int:
+    text = env.get(name) or str(default)
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UsageError(f"{name} must be a TCP port number (got {text!r})")
+    return int(text)
+
+
+def assembled_version(server: LocalServer) -> str | None:
+    """The Neo4j version of an assembled home, or None when the home is not (completely) assembled."""
+    marker = server.home / "assembled.json"
+    if not marker.is_file() or not server.lib.is_dir():
+        return None
+    return json.loads(marker.read_text())["neo4j"]
+
+
+def assemble(server: LocalServer) -> str:
+    """Assemble the home once (jars from Maven Central into lib/); return the Neo4j version in it."""
+    version = assembled_version(server)
+    if version:
+        return version
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise StoreUnavailable("Maven (mvn) is not installed; install it (apt-get install maven) or use docker compose")
+    build = server.home / "build"
+    staging = server.home / "lib.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "pom.xml").write_text(POM.format(neo4j=NEO4J_VERSIONS, browser=BROWSER_VERSION))
+    command = [
+        mvn, "-q", "-B", "-f", str(build / "pom.xml"), f"{DEPENDENCY_PLUGIN}:copy-dependencies",
+        "-DincludeScope=runtime", "-DexcludeTypes=pom", f"-DoutputDirectory={staging}",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise StoreUnavailable(f"assembling Neo4j from Maven Central failed ({last[0]}); check access to repo1.maven.org")
+    version = next((m.group(1) for p in staging.iterdir() if (m := _SERVER_JAR.match(p.name))), None)
+    if version is None:
+        raise StoreUnavailable(f"Maven resolved no neo4j-5.26.x server jar into {staging}; remove {server.home} and retry")
+    shutil.rmtree(server.lib, ignore_errors=True)
+    staging.rename(server.lib)
+    for folder in ("conf", "data", "logs", "run", "plugins", "import"):
+        (server.home / folder).mkdir(exist_ok=True)
+    marker = {"neo4j": version, "browser": BROWSER_VERSION, "jars": len(list(server.lib.glob("*.jar")))}
+    (server.home / "assembled.json").write_text(json.dumps(marker, indent=2) + "\n")
+    return version
+
+
+def neo4j_conf(server: LocalServer) -> str:
+    """The neo4j.conf text: loopback only, auth on, modest memory, no usage reports, Browser extras."""
+    home = server.home
+    assets = server.assets_url
+    lines = [
+        "# Written by headgraph.neo4j_local on every start; change the code or the environment, not this file.",
+        "server.default_listen_address=127.0.0.1",
+        "server.default_advertised_address=127.0.0.1",
+        f"server.bolt.listen_address=127.0.0.1:{server.bolt_port}",
+        f"server.http.listen_address=127.0.0.1:{server.http_port}",
+        "server.https.enabled=false",
+        "dbms.security.auth_enabled=true",
+        "dbms.usage_report.enabled=false",
+        "client.allow_telemetry=false",
+        f"server.memory.pagecache.size={PAGE_CACHE}",
+        *(f"server.directories.{d}={home / d}" for d in ("data", "logs", "run", "plugins", "import")),
+        f"browser.post_connect_cmd=style {assets}/style.grass; play {assets}/guide.html",
+        "browser.remote_content_hostname_whitelist=127.0.0.1,localhost",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _java_env(server: LocalServer) -> dict[str, str]:
+    return {**os.environ, "NEO4J_HOME": str(server.home), "NEO4J_CONF": str(server.home / "conf")}
+
+
+def _java() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    java = str(Path(java_home) / "bin" / "java") if java_home else shutil.which("java")
+    if not java or not Path(java).exists():
+        raise StoreUnavailable("Java 17 or 21 is needed to run the local Neo4j; install a JDK or set JAVA_HOME")
+    return java
+
+
+def set_initial_password(server: LocalServer) -> None:
+    """Store the initial password of user neo4j; only effective before the server's first start."""
+    if len(server.password) < MIN_PASSWORD_LENGTH:
+        raise UsageError(f"NEO4J_PASSWORD must have at least {MIN_PASSWORD_LENGTH} characters (Neo4j's minimum)")
+    command = [_java(), "-cp", f"{server.lib}/*", ADMIN_TOOL, "dbms", "set-initial-password", server.password]
+    done = subprocess.run(command, capture_output=True, text=True, env=_java_env(server), cwd=server.home)
+    if done.returncode != 0:
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise StoreUnavailable(f"setting the initial Neo4j password failed: {last[0]}")
+
+
+def _running_pid(pid_file: Path, marker: str) -> int | None:
+    """The pid in `pid_file` when that process is alive and its command line contains `marker`."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if cmdline.exists() and marker not in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+        return None
+    return pid
+
+
+def server_pid(server: LocalServer) -> int | None:
+    return _running_pid(server.pid_file, f"--home-dir={server.home}")
+
+
+def server_version(server: LocalServer, timeout: float = 5.0) -> str:
+    """Connect over Bolt with the configured password and return the server's agent, e.g. 'Neo4j/5.26.30'."""
+    with neo4j.GraphDatabase.driver(server.uri, auth=(server.user, server.password), connection_timeout=timeout) as d:
+        d.verify_connectivity()
+        return d.get_server_info().agent
+
+
+def status(server: LocalServer) -> ServerStatus | None:
+    """The running server's pid and version, or None when it is not running."""
+    pid = server_pid(server)
+    if pid is None:
+        return None
+    try:
+        return ServerStatus(pid, server_version(server))
+    except AuthError:
+        raise StoreUnavailable(_wrong_password(server)) from None
+    except (DriverError, Neo4jError, OSError):
+        return ServerStatus(pid, "not answering on Bolt yet")
+
+
+def _wrong_password(server: LocalServer) -> str:
+    return (
+        f"the local Neo4j in {server.home} was initialised with another password: set NEO4J_PASSWORD to it, "
+        f"or stop it and delete {server.home / 'data'} to start over"
+    )
+
+
+def _log_tail(server: LocalServer, lines: int = 15) -> str:
+    text = "".join(p.read_text(errors="replace") for p in (server.console_log, server.log_file) if p.exists())
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_assets_server(server: LocalServer) -> int:
+    """Serve headgraph/browser/ (style.grass, guide.html) on the loopback assets port; return its pid."""
+    pid = _running_pid(server.assets_pid_file, "headgraph.browser.assets_server")
+    if pid is not None:
+        return pid
+    if _port_taken(server.assets_port):
+        raise StoreUnavailable(
+            f"port {server.assets_port} on 127.0.0.1 is taken; set HEADGRAPH_BROWSER_ASSETS_PORT to a free port"
+        )
+    command = [sys.executable, "-m", "headgraph.browser.assets_server", "--port", str(server.assets_port)]
+    with open(server.home / "logs" / "browser-assets.log", "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    server.assets_pid_file.write_text(f"{process.pid}\n")
+    return process.pid
+
+
+def start(server: LocalServer, timeout: float = 180.0, log=print) -> ServerStatus:
+    """Assemble if needed, start the server in the background, wait until Bolt accepts the password and HTTP answers.
+
+    A server that is already running is left alone (its URI is reported).
+    """
+    version = assemble(server)
+    running = status(server)
+    if running is not None:
+        start_assets_server(server)
+        log(f"Neo4j already running at {server.uri} (pid {running.pid})")
+        return running
+    for port, name in ((server.bolt_port, "BOLT"), (server.http_port, "HTTP")):
+        if _port_taken(port):
+            raise StoreUnavailable(
+                f"port {port} on 127.0.0.1 is used by another process; stop it or set HEADGRAPH_NEO4J_{name}_PORT"
+            )
+    (server.home / "conf" / "neo4j.conf").write_text(neo4j_conf(server))
+    if not (server.home / "data" / "databases").exists():
+        set_initial_password(server)
+    start_assets_server(server)
+    log(f"starting Neo4j {version} from {server.home} ...")
+    command = [
+        _java(), *JVM_FLAGS, "-cp", f"{server.home}/conf/*:{server.home}/plugins/*:{server.lib}/*", ENTRY_POINT,
+        f"--home-dir={server.home}", f"--config-dir={server.home / 'conf'}",
+    ]  # fmt: skip
+    with open(server.console_log, "ab") as console:
+        process = subprocess.Popen(
+            command, stdout=console, stderr=console, stdin=subprocess.DEVNULL, cwd=server.home,
+            env=_java_env(server), start_new_session=True,
+        )  # fmt: skip
+    server.pid_file.write_text(f"{process.pid}\n")
+    return _wait_for_bolt(server, process, timeout, log)
+
+
+def _wait_for_bolt(server: LocalServer, process: subprocess.Popen, timeout: float, log) -> ServerStatus:
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if process.poll() is not None:
+            server.pid_file.unlink(missing_ok=True)
+            raise StoreUnavailable(
+                f"Neo4j exited during start-up (code {process.returncode}); log tail:\n{_log_tail(server)}"
+            )
+        try:
+            agent = server_version(server, timeout=2.0)
+            urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/", timeout=2.0).close()
+        except AuthError:
+            raise StoreUnavailable(_wrong_password(server)) from None
+        except (DriverError, Neo4jError, OSError):
+            time.sleep(0.5)
+            continue
+        log(f"{agent} up at {server.uri} after {time.monotonic() - began:.1f} s (pid {process.pid})")
+        return ServerStatus(process.pid, agent)
+    process.terminate()
+    raise StoreUnavailable(f"Neo4j did not accept Bolt within {timeout:.0f} s; log tail:\n{_log_tail(server)}")
+
+
+def _terminate(pid: int, timeout: float) -> bool:
+    """SIGTERM, wait up to `timeout` s, then SIGKILL; True when it ended on SIGTERM."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[-1].startswith("Z"))
+
+
+def stop(server: LocalServer, timeout: float = 90.0, log=print) -> bool:
+    """Stop the server (clean shutdown on SIGTERM, SIGKILL only if it hangs) and the assets server.
+
+    Returns False when the server was not running.
+    """
+    assets = _running_pid(server.assets_pid_file, "headgraph.browser.assets_server")
+    if assets is not None:
+        _terminate(assets, 5.0)
+    server.assets_pid_file.unlink(missing_ok=True)
+    pid = server_pid(server)
+    if pid is None:
+        server.pid_file.unlink(missing_ok=True)
+        log("Neo4j is not running")
+        return False
+    began = time.monotonic()
+    clean = _terminate(pid, timeout)
+    server.pid_file.unlink(missing_ok=True)
+    log(f"Neo4j stopped in {time.monotonic() - began:.1f} s" if clean else f"Neo4j hung; killed after {timeout:.0f} s")
+    return True
+
+
+def env_lines(server: LocalServer) -> list[str]:
+    """`export` lines a shell can eval to point headgraph and the tests at this server."""
+    values = {"NEO4J_URI": server.uri, "NEO4J_USER": server.user, "NEO4J_PASSWORD": server.password}
+    return [f"export {k}={shlex.quote(v)}" for k, v in values.items()]
+
+
+def browser_hint(server: LocalServer) -> list[str]:
+    """What to open and run to explore the head graph in Neo4j Browser."""
+    return [
+        f"Neo4j Browser:  {server.browser_url}",
+        f"connect to:     {server.uri}   user {server.user}   password {server.password}",
+        f"style + guide:  applied on connect; or run  :style {server.assets_url}/style.grass",
+        f"                and  :play {server.assets_url}/guide.html",
+    ]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neo4j-local", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("assemble", help="download the jars once into the home (reused afterwards)")
+    start_cmd = commands.add_parser("start", help="start in the background and wait for Bolt (no-op when running)")
+    start_cmd.add_argument("--print-env", action="store_true", help="print only `export NEO4J_…` lines on stdout")
+    start_cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Bolt (default 180)")
+    commands.add_parser("stop", help="stop the server cleanly")
+    commands.add_parser("status", help="print URI, pid and server version; exit 3 when not running")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    server = LocalServer.from_env()
+    try:
+        if args.command == "assemble":
+            began = time.monotonic()
+            print(f"Neo4j {assemble(server)} assembled in {server.home} ({time.monotonic() - began:.1f} s)")
+        elif args.command == "start":
+            log = (lambda m: print(m, file=sys.stderr)) if args.print_env else print
+            start(server, timeout=args.timeout, log=log)
+            print("\n".join(env_lines(server)) if args.print_env else f"NEO4J_URI={server.uri}")
+        elif args.command == "stop":
+            stop(server)
+        else:
+            running = status(server)
+            if running is None:
+                print(f"Neo4j is not running (home {server.home})")
+                return 3
+            print(f"uri {server.uri}\npid {running.pid}\nversion {running.version}\nhome {server.home}")
+    except HeadgraphError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
