@@ -253,6 +253,52 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
         print_comparison(comparison, limit or None)
 
 
+@cli.group("neo4j")
+def neo4j_group():
+    """A local loopback Neo4j 5.26 built from Maven Central jars (no Docker); same as scripts/neo4j-local."""
+
+
+@neo4j_group.command("start")
+@click.option("--print-env", is_flag=True, help="Print only `export NEO4J_...` lines on stdout (for eval).")
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for Bolt.")
+def neo4j_start(print_env, timeout):
+    """Assemble once, start in the background, wait for Bolt (no-op when already running)."""
+    from headgraph.neo4j_local import LocalServer, env_lines, start
+
+    server = LocalServer.from_env()
+    start(server, timeout=timeout, log=lambda m: click.echo(m, err=print_env))
+    click.echo("\n".join(env_lines(server)) if print_env else f"NEO4J_URI={server.uri}")
+
+
+@neo4j_group.command("stop")
+def neo4j_stop():
+    """Stop the local server cleanly (SIGTERM; SIGKILL only if it hangs)."""
+    from headgraph.neo4j_local import LocalServer, stop
+
+    stop(LocalServer.from_env(), log=click.echo)
+
+
+@neo4j_group.command("status")
+def neo4j_status():
+    """URI, pid and server version of the local server; exit 3 when it is not running."""
+    from headgraph.errors import StoreUnavailable
+    from headgraph.neo4j_local import LocalServer, status
+
+    server = LocalServer.from_env()
+    running = status(server)
+    if running is None:
+        raise StoreUnavailable(f"the local Neo4j ({server.home}) is not running; start it: headgraph neo4j start")
+    click.echo(f"uri      {server.uri}\npid      {running.pid}\nversion  {running.version}\nhome     {server.home}")
+
+
+@neo4j_group.command("browser")
+def neo4j_browser():
+    """Where Neo4j Browser is, how to connect, and how to load headgraph's style and guide."""
+    from headgraph.neo4j_local import LocalServer, browser_hint
+
+    click.echo("\n".join(browser_hint(LocalServer.from_env())))
+
+
 def main(argv=None):
     """Console entry point: user-facing errors become one line on stderr and a non-zero exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
