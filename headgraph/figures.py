@@ -94,10 +94,20 @@ def _present_types(pairs):
     return [tp for tp in TYPE_PAIRS if tp in present]
 
 
+def _histogram_range(values, ref_lo, ref_hi, upper, max_stretch=8.0):
+    """The x range of a PK histogram: all values and the reference's ±5 sd, unless a few far outliers would
+    stretch it more than `max_stretch` times the bulk (1 %–99 % of values), then the bulk only."""
+    q_lo, q_hi = np.quantile(values, [0.01, 0.99], method="inverted_cdf")
+    bulk = (min(q_lo, ref_lo), max(q_hi, ref_hi))
+    full = (min(values.min(), ref_lo), max(values.max(), ref_hi))
+    lo, hi = full if full[1] - full[0] <= max_stretch * (bulk[1] - bulk[0]) else bulk
+    return max(0.0, lo), min(upper, hi)
+
+
 def pk_distributions(pairs, reference, kl, model):
     """Histogram of PK per type pair against its isotropic reference density; KL in each title.
 
-    reference: {type pair: {"mean", "var", "k", "k_target"}}; kl: {type pair: nats or None}.
+    reference: {type pair: {"mean", "var", "k", "k_prime"}}; kl: {type pair: nats or None}.
     """
     types = _present_types(pairs)
     nrows, ncols = _grid(len(types))
@@ -107,9 +117,8 @@ def pk_distributions(pairs, reference, kl, model):
         values = pk_by_type.get_group(tp).to_numpy()
         ref = reference[tp]
         sd = np.sqrt(ref["var"])
-        upper = min(ref["k"], ref["k_target"])
-        lo = max(0.0, min(np.quantile(values, 0.001), ref["mean"] - 5 * sd))
-        hi = min(float(upper), max(np.quantile(values, 0.999), ref["mean"] + 5 * sd))
+        upper = min(ref["k"], ref["k_prime"])
+        lo, hi = _histogram_range(values, ref["mean"] - 5 * sd, ref["mean"] + 5 * sd, float(upper))
         bins = np.linspace(lo, hi, 61)
         shown = values[(values >= lo) & (values <= hi)]
         heights, _, _ = ax.hist(shown, bins=bins, weights=np.full(len(shown), 1 / (len(values) * (bins[1] - bins[0]))),

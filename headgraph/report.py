@@ -38,7 +38,8 @@ class Run:
 
     @property
     def model(self):
-        return str(self.meta.get("model", self.path.name))
+        model = self.meta.get("model")
+        return str((model.get("name") if isinstance(model, dict) else model) or self.path.name)
 
     @property
     def dims(self):
@@ -52,20 +53,17 @@ class Run:
     @property
     def kl(self):
         """{type pair: KL(random ‖ observed) in nats or None} for all 16 type pairs."""
-        kl = self.meta.get("kl")
-        matrix = kl.get("matrix") if isinstance(kl, dict) and "matrix" in kl else kl
-        if isinstance(matrix, list):
-            rows = kl.get("rows", figures.WEIGHT_TYPES) if isinstance(kl, dict) else figures.WEIGHT_TYPES
-            cols = kl.get("cols", figures.WEIGHT_TYPES) if isinstance(kl, dict) else figures.WEIGHT_TYPES
-            found = {r + c: matrix[i][j] for i, r in enumerate(rows) for j, c in enumerate(cols)}
-        else:
-            found = dict(matrix or {})
+        kl = self.meta.get("kl", {})
+        found = {r + c: kl["matrix"][i][j] for i, r in enumerate(kl.get("rows", ())) for j, c in enumerate(kl.get("cols", ()))}
         return {tp: found.get(tp) for tp in figures.TYPE_PAIRS}
 
     @property
     def reference(self):
-        """{type pair: {"mean", "var", "k", "k_target"}} of the isotropic reference."""
-        return self.meta.get("reference", {})
+        """{type pair: {"k", "k_prime", "mean", "var", ...}}: the isotropic reference at the type's subspace widths."""
+        ref = self.meta.get("reference", {})
+        widths = ref.get("kl_grid", {}).get("reference_widths", {})
+        moments = ref.get("moments", {})
+        return {tp: moments[f"{k},{kp}"] for tp, (k, kp) in widths.items() if f"{k},{kp}" in moments}
 
     @property
     def nulls(self):
@@ -258,20 +256,30 @@ def to_html(blocks, title):
 
 def _settings_table(run):
     meta, dims = run.meta, run.dims
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    reference = meta.get("reference", {})
+    kv = dims.get("n_kv_heads")
     rows = {
         "model": run.model,
-        "source": meta.get("source"),
+        "source": model.get("source"),
+        "architecture": model.get("architecture"),
         "layers × heads": f"{dims.get('n_layers')} × {dims.get('n_heads')}"
-                          + (f" (KV heads {dims['n_kv_heads']})" if dims.get("n_kv_heads") not in (None, dims.get("n_heads")) else ""),
+                          + (f" ({kv} KV heads)" if kv not in (None, dims.get("n_heads")) else ""),
         "d_model / d_head": f"{dims.get('d_model')} / {dims.get('d_head')}",
         "weight processing": meta.get("processing"),
+        "processing warnings": "; ".join(meta.get("processing_warnings", [])) or "none",
         "dtype / device": f"{meta.get('dtype')} / {meta.get('device')}",
         "seed": meta.get("seed"),
         "type pairs computed": ", ".join(run.type_pairs),
-        "pairs computed": len(run.pairs),
+        "pairs": f"{len(run.pairs)} ({meta.get('pairs', 'earlier → later')})",
+        "heads below full rank": len(meta.get("rank_deficient_heads", [])),
+        "reference sampler": f"{reference.get('sampler')} ({reference.get('samples')} samples)",
+        "KL grid": "bin width {bin_width:.4g} from {start:g}, ε {eps:g}".format(**reference["kl_grid"])
+                   if "kl_grid" in reference else None,
     }
     rows.update({f"null for {key}": value for key, value in run.nulls.items()})
-    rows.update({f"time {key}": value for key, value in meta.get("timings", {}).items()})
+    rows.update({f"time {key} (s)": value for key, value in meta.get("timings_s", {}).items()})
+    rows.update({"headgraph version": meta.get("headgraph_version"), "created": meta.get("created")})
     return pd.DataFrame({"value": [_fmt(v) for v in rows.values()]}, index=pd.Index(list(rows), name="setting"))
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from headgraph.analysis.reference import isotropic_log10_p
+
 TYPES = "QKVO"
 
 
@@ -92,7 +94,7 @@ def write_run(run_dir, *, n_layers=4, n_heads=4, d_model=64, d_head=8, seed=0, b
     earlier = (ls.ravel()[:, None] < ls.ravel()[None, :])
     mean, var = _reference(d_model, d_head, d_head)
     ref = _beta(mean, var, d_head)
-    frames, kl, mean_pk, reference = [], {}, {}, {}
+    frames, kl, mean_pk = [], {}, {}
     edges = np.arange(0, d_head + 0.252, 0.252)
     ref_hist = np.diff(ref.cdf(edges))
     for tp in types:
@@ -114,7 +116,7 @@ def write_run(run_dir, *, n_layers=4, n_heads=4, d_model=64, d_head=8, seed=0, b
             "source_type": s, "target_type": t,
             "pk": vals, "pk_norm": vals / d_head,
             "z_iso": (vals - mean) / np.sqrt(var),
-            "log10_p_iso": ref.logsf(vals) / np.log(10),
+            "log10_p_iso": isotropic_log10_p(vals, d_model, d_head, d_head),
             "p_model": p_model, "q_model": _bh(p_model), "cs": cs,
         }))
         obs = np.histogram(vals, edges)[0] / len(vals)
@@ -122,7 +124,6 @@ def write_run(run_dir, *, n_layers=4, n_heads=4, d_model=64, d_head=8, seed=0, b
         keep = ref_hist > 0
         kl[tp] = float(np.sum(ref_hist[keep] * np.log(ref_hist[keep] / obs[keep])))
         mean_pk[tp] = float(vals.mean())
-        reference[tp] = {"mean": mean, "var": var, "k": d_head, "k_target": d_head, "d": d_model}
     pairs = pd.concat(frames, ignore_index=True)
     pairs.to_parquet(run_dir / "pairs.parquet", index=False)
 
@@ -142,20 +143,34 @@ def write_run(run_dir, *, n_layers=4, n_heads=4, d_model=64, d_head=8, seed=0, b
     })
     heads.to_parquet(run_dir / "heads.parquet", index=False)
 
-    kl_matrix = [[kl.get(a + b) for b in TYPES] for a in TYPES]
-    run = {
-        "model": model,
-        "source": str(run_dir / "model"),
+    a, b = _beta(mean, var, d_head).args
+    run = {  # the layout headgraph.pipeline writes
+        "headgraph_version": "test",
+        "created": "2026-01-01T00:00:00+00:00",
+        "model": {"name": model, "source": str(run_dir / "model"), "architecture": "GPT2LMHeadModel",
+                  "is_decoder": True},
         "dims": {"n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads,
-                 "d_model": d_model, "d_head": d_head},
-        "processing": "tl", "device": "cpu", "dtype": "float32", "seed": seed,
+                 "d_model": d_model, "d_head": d_head, "n_ctx": 128},
+        "processing": "tl", "processing_warnings": [], "device": "cpu", "dtype": "float32", "seed": seed,
         "types": list(types),
-        "timings": {"pk_s": 0.01},
-        "reference": reference,
-        "kl": {"rows": list(TYPES), "cols": list(TYPES), "matrix": kl_matrix},
+        "pairs": "earlier layer -> strictly later layer",
+        "n_pairs": {tp: int(len(src)) for tp in types},
+        "timings_s": {"projection_kernel": 0.01},
+        "reference": {
+            "moments": {f"{d_head},{d_head}": {"k": d_head, "k_prime": d_head, "mean": mean, "var": var,
+                                               "beta_a": a, "beta_b": b}},
+            "samples": 0, "sampler": "none (test fixture: Beta cdf on the grid)", "tail": "moment-matched Beta",
+            "kl_grid": {"start": 0.0, "bin_width": 0.252, "n_bins": len(edges) - 1, "eps": 1e-10,
+                        "reference_widths": {tp: [d_head, d_head] for tp in types}},
+        },
+        "kl": {"definition": "KL(P_random || P_observed)", "rows": list(TYPES), "cols": list(TYPES),
+               "matrix": [[kl.get(s + t) for t in TYPES] for s in TYPES]},
         "mean_pk": mean_pk,
-        "nulls": {"z_iso": "isotropic random subspaces (Haar), moment-matched Beta tail",
-                  "p_model": "within-type empirical distribution, BH q-values"},
+        "null_model": {"name": "within_type_rank"},
+        "nulls": {"z_iso": "isotropic Haar reference, exact mean and variance",
+                  "p_model": "within_type_rank: rank of the pair within its type (test fixture)",
+                  "q_model": "Benjamini-Hochberg within each type pair (p_model)"},
+        "rank_deficient_heads": [],
     }
     (run_dir / "run.json").write_text(json.dumps(run, indent=2))
     return run_dir

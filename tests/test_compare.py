@@ -102,3 +102,35 @@ def test_cli_json_and_table(runs, capsys):
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if "→L" in line]
     assert len(rows) == 3 and "L1H2→L3H1 OK" in rows[0] and "appears" in rows[0]
+
+
+@pytest.fixture(scope="module")
+def planted_checkpoints(tmp_path_factory):
+    """Two planted GPT-2 checkpoints, run through the PK pipeline, that differ by one planted edge."""
+    from headgraph.analysis.artifacts import write_artifacts
+    from headgraph.analysis.planted import PlantSpec, save_planted
+    from headgraph.loader.models import load_model
+    from headgraph.pipeline import analyze
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    full = PlantSpec()
+    runs, truths = {}, {}
+    for name, spec in (("base", PlantSpec(edges=full.edges[:-1])), ("tuned", full)):
+        folder, truths[name] = save_planted(root / name, spec)
+        result = analyze(load_model(str(folder), processing="tl"), progress=False, null_heads=50,
+                         reference_samples=2000)
+        runs[name] = load_run(write_artifacts(result, root / f"run-{name}"))
+    added = set(truths["tuned"].edges) - set(truths["base"].edges)
+    return runs, added, truths["tuned"]
+
+
+def test_pipeline_checkpoints_differing_by_one_planted_edge(planted_checkpoints):
+    runs, added, truth = planted_checkpoints
+    (source, target, kind, _alpha), = added
+    planted_of_kind = sum(edge[2] == kind for edge in truth.edges)
+    result = compare_runs(runs["base"], runs["tuned"], SelectionPolicy(top_k=5))
+    first = result.edges.iloc[0]
+    assert (first["source"], first["target"], first["kind"], first["status"]) == (source, target, kind, "appears")
+    assert first["rank_b"] <= planted_of_kind and first["delta_sd"] > 5 * abs(result.edges["delta_sd"].iloc[1])
+    back = compare_runs(runs["tuned"], runs["base"], SelectionPolicy(top_k=5)).edges.iloc[0]
+    assert (back["source"], back["target"], back["kind"], back["status"]) == (source, target, kind, "vanishes")

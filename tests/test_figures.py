@@ -13,6 +13,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from _runfolder import build_bases, plant, write_run
 from headgraph import figures
 from headgraph.loader.graph import SelectionPolicy, select_edges
+from headgraph.report import load_run
 
 N_LAYERS, N_HEADS, D_MODEL, D_HEAD = 4, 4, 64, 8
 
@@ -24,7 +25,7 @@ def run(tmp_path_factory):
     folder = write_run(tmp_path_factory.mktemp("run"), bases=bases)
     meta = json.loads((folder / "run.json").read_text())
     kl = {r + c: meta["kl"]["matrix"][i][j] for i, r in enumerate("QKVO") for j, c in enumerate("QKVO")}
-    return {"dir": folder, "meta": meta, "kl": kl, "pairs": pd.read_parquet(folder / "pairs.parquet"),
+    return {"dir": folder, "meta": meta, "kl": kl, "reference": load_run(folder).reference, "pairs": pd.read_parquet(folder / "pairs.parquet"),
             "heads": pd.read_parquet(folder / "heads.parquet")}
 
 
@@ -107,7 +108,7 @@ def test_reference_distribution_has_the_exact_moments():
 
 
 def test_pk_distributions_marks_the_reference_mean_and_kl(run):
-    fig = figures.pk_distributions(run["pairs"], run["meta"]["reference"], run["kl"], "synthetic")
+    fig = figures.pk_distributions(run["pairs"], run["reference"], run["kl"], "synthetic")
     axes = [ax for ax in fig.axes if ax.get_visible()]
     assert len(axes) == 3
     for ax, tp in zip(axes, ("OQ", "OK", "OV")):

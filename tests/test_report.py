@@ -64,7 +64,8 @@ def test_report_contains_kl_and_means_computed_from_the_data(rendered):
         assert f"| {f'{kl:.4g}'} |" in md
         row = next(line for line in md.splitlines() if line.startswith(f"| {tp} | {int((kind == tp).sum())} |"))
         assert f"| {pairs.loc[kind == tp, 'pk'].mean():.4g} |" in row
-        assert f"| {np.sqrt(meta['reference'][tp]['var']):.4g} |" in row
+        var = 2 * 8 * 8 * (64 - 8) ** 2 / (64**2 * 63 * 66)  # the method note's formula, d=64, k=k'=8
+        assert f"| {np.sqrt(var):.4g} |" in row and f"| {8 * 8 / 64:.4g} |" in row
 
 
 def test_strongest_edges_table_lists_the_planted_edges_first(rendered):
