@@ -1,3 +1,71 @@
+"""Shared fixtures. Each helper's fixtures live in their own delimited section; add yours below the others."""
+
+# ---- Neo4j fixtures (helper "neo4j"): one real server per session, never mocked, never skipped ----
+# Where the server comes from, in order: NEO4J_URI (+ NEO4J_USER, default neo4j; NEO4J_PASSWORD, default
+# headgraph) -- CI and local runs use `eval "$(scripts/neo4j-local start --print-env)"`; else a testcontainers
+# neo4j:5.26-community when a Docker engine answers; else the test fails, naming the script that starts one.
+# Tests share the server: keep what you write under a unique run id (fixture `neo4j_run_id`).
+import os as _neo4j_os
+import uuid as _neo4j_uuid
+
+import pytest as _neo4j_pytest
+
+NEO4J_TEST_IMAGE = "neo4j:5.26-community"
+
+
+def _docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
+    return True
+
+
+@_neo4j_pytest.fixture(scope="session")
+def neo4j_config():
+    """{"uri", "user", "password"} of a real Neo4j server for this test session."""
+    env = _neo4j_os.environ
+    if env.get("NEO4J_URI"):
+        yield {"uri": env["NEO4J_URI"], "user": env.get("NEO4J_USER", "neo4j"),
+               "password": env.get("NEO4J_PASSWORD", "headgraph")}
+        return
+    if _docker_engine_answers():
+        try:
+            from testcontainers.community.neo4j import Neo4jContainer
+        except ImportError:  # testcontainers before the community/ split
+            from testcontainers.neo4j import Neo4jContainer
+        with Neo4jContainer(NEO4J_TEST_IMAGE, password="headgraph-tests") as container:
+            yield {"uri": container.get_connection_url(), "user": "neo4j", "password": container.password}
+        return
+    _neo4j_pytest.fail(
+        "no Neo4j for the tests: NEO4J_URI is unset and no Docker engine answers; start the local server with "
+        '`eval "$(scripts/neo4j-local start --print-env)"` and rerun',
+        pytrace=False,
+    )
+
+
+@_neo4j_pytest.fixture(scope="session")
+def neo4j_driver(neo4j_config):
+    """A neo4j.Driver to the session's server, connectivity and credentials verified."""
+    import neo4j
+
+    driver = neo4j.GraphDatabase.driver(neo4j_config["uri"], auth=(neo4j_config["user"], neo4j_config["password"]))
+    driver.verify_connectivity()
+    yield driver
+    driver.close()
+
+
+@_neo4j_pytest.fixture
+def neo4j_run_id(neo4j_driver):
+    """A unique run id for one test; afterwards every node with that `run_id` (and a Run with that `id`) is removed."""
+    run_id = f"test-{_neo4j_uuid.uuid4().hex[:12]}"
+    yield run_id
+    neo4j_driver.execute_query(
+        "MATCH (n) WHERE n.run_id = $run OR (n:Run AND n.id = $run) DETACH DELETE n", run=run_id, database_="neo4j"
+    )
+# ---- end Neo4j fixtures ----
 
 # ---- loader fixtures (helper "loader"): tiny synthetic and planted models saved as local HF folders ----
 import pytest as _loader_pytest
