@@ -19,6 +19,79 @@ def cli(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_memory_size(ctx, param, value):
+    """'2GiB', '512MB', '1e9' or a byte count -> bytes (click callback)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not match or match[2] not in _SIZE_UNITS or float(match[1]) * _SIZE_UNITS[match[2]] < 1:
+        raise click.BadParameter(f"{value!r} is not a size like 2GiB, 512MB or 1000000000")
+    return int(float(match[1]) * _SIZE_UNITS[match[2]])
+
+
+@cli.command("analyze")
+@click.argument("model")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder for run.json, pairs.parquet and heads.parquet.")
+@click.option("--types", default="oq,ok,ov", show_default=True,
+              help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
+@click.option("--processing", type=click.Choice(["tl", "raw"]), default="tl", show_default=True,
+              help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="torch device (default: cuda when present, else cpu).")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the reference and null samplers.")
+@click.option("--max-memory", default="2GiB", show_default=True, callback=parse_memory_size,
+              help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
+@click.option("--full-matrix", is_flag=True,
+              help="Also compute same-layer and backward pairs (default: earlier -> strictly later layer).")
+@click.option("--null-heads", default=200, show_default=True, type=click.IntRange(min=2),
+              help="Random heads per type of the model-matched null (its n^2 pairs give p_model).")
+@click.option("--reference-samples", default=100_000, show_default=True, type=click.IntRange(min=100),
+              help="Samples of the isotropic reference distribution (for the KL matrix).")
+def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
+                    reference_samples):
+    """Projection Kernel between all head subspaces of MODEL, with references, significance and CS."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from headgraph.analysis.artifacts import write_artifacts
+    from headgraph.analysis.subspaces import WEIGHT_TYPES
+    from headgraph.loader.models import load_model
+    from headgraph.pipeline import analyze, parse_types, resolve_device
+
+    type_pairs = parse_types(types)
+    device = resolve_device(device)
+    loaded = load_model(model, processing=processing, device=device)
+    result = analyze(loaded, type_pairs, full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
+                     max_memory=max_memory, null_heads=null_heads, reference_samples=reference_samples)
+    folder = write_artifacts(result, out_dir)
+    run = result.run
+    console = Console()
+    kl = Table(title=f"{loaded.name} ({processing}): KL(random || observed), nats",
+               caption="rows: source type, columns: target type; - not computed")
+    kl.add_column("")
+    for t in WEIGHT_TYPES:
+        kl.add_column(t, justify="right")
+    for t, row in zip(WEIGHT_TYPES, run["kl"]["matrix"]):
+        kl.add_row(t, *("-" if v is None else f"{v:.3f}" for v in row))
+    console.print(kl)
+    means = Table(title="PK per type pair", caption="isotropic mean k·k'/d = "
+                  + ", ".join(f"{m['mean']:.3f} (k={m['k']}, k'={m['k_prime']})"
+                              for m in run["reference"]["moments"].values()))
+    for column in ("type", "pairs", "mean PK", "q_model < 0.05"):
+        means.add_column(column, justify="right")
+    for tp in run["types"]:
+        means.add_row(tp, str(run["n_pairs"].get(tp, 0)), f"{run['mean_pk'].get(tp, float('nan')):.3f}",
+                      f"{run['fraction_q_model_below_0.05'].get(tp, float('nan')):.1%}")
+    console.print(means)
+    console.print(f"wrote {folder} ({len(result.pairs)} pairs, {sum(run['timings_s'].values()):.1f} s)")
+
+
 FORMAT_OPTION = click.option(
     "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
     help="Output: a table, a JSON list of row objects, or CSV.",
@@ -320,3 +393,28 @@ def main(argv=None):
             raise
         click.echo(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", err=True)
         sys.exit(1)
+
+
+@cli.command()
+@click.option("--db", default=None, metavar="PATH", help="Embedded store to check (env HEADGRAPH_DB).")
+@click.option("--neo4j", "neo4j_uri", default=None, metavar="URI", help="Neo4j server to check (env NEO4J_URI).")
+def doctor(db, neo4j_uri):
+    """Versions, torch device, Neo4j reachability, embedded store path and offline models."""
+    import os
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from headgraph.doctor import report
+    from headgraph.loader.store import DEFAULT_DB
+
+    table = Table(title="headgraph doctor", show_header=False)
+    rows = report(
+        db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB,
+        neo4j_uri or os.environ.get("NEO4J_URI"),
+        os.environ.get("NEO4J_USER") or "neo4j",
+        os.environ.get("NEO4J_PASSWORD", ""),
+    )
+    for label, value in rows:
+        table.add_row(label, value)
+    Console().print(table)

@@ -1,0 +1,30 @@
+"""`headgraph doctor` reports the real environment: the Neo4j server behind the fixture, the offline model."""
+
+import os
+import subprocess
+import sys
+
+
+def _doctor(*args, env):
+    env = {**env, "COLUMNS": "400"}  # one table row per line, however long the path
+    return subprocess.run([sys.executable, "-m", "headgraph", "doctor", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_doctor_reports_neo4j_server_version_and_offline_model(neo4j_config, neo4j_driver, tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO4J_USER", neo4j_config["user"])
+    monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
+    done = _doctor("--neo4j", neo4j_config["uri"], "--db", str(tmp_path / "g.lbdb"), env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    agent = neo4j_driver.get_server_info().agent  # e.g. Neo4j/5.26.x, asked independently of doctor
+    flat = " ".join(done.stdout.split())
+    assert f"reachable at {neo4j_config['uri']}, {agent}" in flat
+    assert "all-MiniLM-L6-v2" in flat
+    assert f"{tmp_path / 'g.lbdb'} (will be created on first store)" in flat
+
+
+def test_doctor_says_why_neo4j_is_unreachable(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_")}
+    done = _doctor("--neo4j", "bolt://127.0.0.1:1", "--db", str(tmp_path / "g.lbdb"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "cannot reach Neo4j at bolt://127.0.0.1:1" in " ".join(done.stdout.split())
