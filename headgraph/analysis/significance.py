@@ -41,14 +41,23 @@ def null_bases(sigma: torch.Tensor, n_heads: int, width: int, generator: torch.G
     return orthonormal_bases(draws.unsqueeze(0), "null", sigma.dtype).bases[0]
 
 
-def null_pk_samples(sigma_src: torch.Tensor, sigma_tgt: torch.Tensor, k_src: int, k_tgt: int, n_heads: int,
-                    seed: int, max_memory: int) -> np.ndarray:
-    """n_heads^2 null PK values between independent null source and null target heads."""
+def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: int,
+                   seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Two independent sets (one for sources, one for targets) of n_heads null bases per weight type, so that
+    a same-type pair (e.g. QQ) compares independent draws."""
     generator = torch.Generator().manual_seed(seed)
-    src = null_bases(sigma_src, n_heads, k_src, generator)
-    tgt = null_bases(sigma_tgt, n_heads, k_tgt, generator)
-    mask = pair_mask(torch.zeros(n_heads), torch.ones(n_heads), full_matrix=False, same_type=False)
-    plan = plan_pk(mask, src.shape[1], k_src, k_tgt, src.element_size(), max_memory)
+    sets = {}
+    for weight_type in sorted(types):
+        sigma = second_moment(weights[weight_type], weight_type)
+        width = head_matrices(weights[weight_type], weight_type).shape[-1]
+        sets[weight_type] = (null_bases(sigma, n_heads, width, generator), null_bases(sigma, n_heads, width, generator))
+    return sets
+
+
+def null_pk_samples(src: torch.Tensor, tgt: torch.Tensor, max_memory: int) -> np.ndarray:
+    """All len(src) x len(tgt) null PK values between null source and null target bases."""
+    mask = pair_mask(torch.zeros(len(src)), torch.ones(len(tgt)), full_matrix=False, same_type=False)
+    plan = plan_pk(mask, src.shape[1], src.shape[2], tgt.shape[2], src.element_size(), max_memory)
     return pk_matrix(src, tgt, mask.to(src.device), plan).reshape(-1).cpu().numpy()
 
 

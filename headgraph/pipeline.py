@@ -1,0 +1,338 @@
+"""The analyze pipeline: a sequence of stage functions over one loaded model, each timed and shown with rich
+progress. Stages: subspaces -> projection kernel -> isotropic reference -> model-matched null ->
+composition scores -> tables. Each stage reads and extends a shared `AnalysisState`."""
+
+import itertools
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+import pandas as pd
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from headgraph import __version__
+from headgraph.analysis import reference, significance
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, AnalysisResult
+from headgraph.analysis.composition import COMPOSITION_TYPES, composition_scores
+from headgraph.analysis.pk import DEFAULT_MAX_MEMORY, pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.subspaces import WEIGHT_TYPES, model_subspaces, rank_deficient_heads
+from headgraph.errors import UsageError
+
+__all__ = ["AnalysisResult", "analyze", "parse_types", "resolve_device", "DEFAULT_TYPES", "ALL_TYPES"]
+
+DEFAULT_TYPES = ("OQ", "OK", "OV")
+ALL_TYPES = tuple(a + b for a, b in itertools.product(WEIGHT_TYPES, WEIGHT_TYPES))
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DEFAULT_REFERENCE_SAMPLES = 100_000
+DEFAULT_NULL_HEADS = 200
+
+
+@dataclass
+class AnalysisOptions:
+    """Everything that shapes a run besides the model."""
+
+    types: tuple[str, ...] = DEFAULT_TYPES
+    full_matrix: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    max_memory: int = DEFAULT_MAX_MEMORY
+    reference_samples: int = DEFAULT_REFERENCE_SAMPLES
+    null_heads: int = DEFAULT_NULL_HEADS
+    bin_width: float = reference.DEFAULT_BIN_WIDTH
+    kl_eps: float = reference.DEFAULT_KL_EPS
+    formulation: str = "auto"
+
+
+@dataclass
+class TypePairEdges:
+    """The computed pairs of one type pair: flat source / target head indices and per-edge columns."""
+
+    src: np.ndarray
+    tgt: np.ndarray
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class AnalysisState:
+    """What the stages build up."""
+
+    model: object
+    options: AnalysisOptions
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    subspaces: dict = field(default_factory=dict)
+    edges: dict[str, TypePairEdges] = field(default_factory=dict)
+    engine: dict[str, dict] = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
+    kl: dict[str, float] = field(default_factory=dict)
+    null: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def parse_types(types) -> tuple[str, ...]:
+    """("OQ", "OK") / "oq,ok" / "all" -> a tuple of distinct upper-case type pairs, in {Q,K,V,O}^2."""
+    items = [t.strip() for t in types.split(",")] if isinstance(types, str) else list(types)
+    if [t.lower() for t in items] == ["all"]:
+        return ALL_TYPES
+    parsed = tuple(dict.fromkeys(t.upper() for t in items))
+    bad = [t for t in parsed if len(t) != 2 or any(c not in WEIGHT_TYPES for c in t)]
+    if bad or not parsed:
+        raise UsageError(f"bad --types {','.join(bad) or '(empty)'}: use type pairs of Q,K,V,O like oq,ok,ov, "
+                         "or 'all'")
+    return parsed
+
+
+def resolve_device(device: str | None) -> str:
+    """None -> CUDA when present, else CPU; an explicit 'cuda' without CUDA is a usage error."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+@contextmanager
+def _stage(state: AnalysisState, name: str):
+    start = time.perf_counter()
+    yield
+    state.timings[name] = round(time.perf_counter() - start, 4)
+
+
+def _kv_group(model) -> int:
+    return model.cfg["n_heads"] // model.cfg.get("n_kv_heads", model.cfg["n_heads"])
+
+
+def head_name(layer: int, head: int, weight_type: str, kv_group: int) -> str:
+    """L{l}H{h}; K/V heads of grouped-query models are native KV heads, named L{l}KV{g}."""
+    if kv_group > 1 and weight_type in ("K", "V"):
+        return f"L{layer}KV{head}"
+    return f"L{layer}H{head}"
+
+
+def stage_subspaces(state: AnalysisState, progress: Progress) -> None:
+    """Orthonormal bases and numerical ranks of every head for all four weight types."""
+    opts, model = state.options, state.model
+    task = progress.add_task("subspaces (thin SVD)", total=1)
+    with _stage(state, "subspaces"):
+        dtype = DTYPES[opts.dtype]
+        state.weights = {t: getattr(model, f"W_{t}").to(device=opts.device, dtype=dtype) for t in WEIGHT_TYPES}
+        state.subspaces = model_subspaces(state.weights, set(WEIGHT_TYPES), dtype, torch.device(opts.device))
+    progress.advance(task)
+
+
+def stage_projection_kernel(state: AnalysisState, progress: Progress) -> None:
+    """All-pairs PK per type pair, with the cheaper formulation under the memory budget."""
+    opts = state.options
+    total = sum(state.subspaces[tp[0]].flat().shape[0] for tp in opts.types)
+    task = progress.add_task("projection kernel", total=total)
+    with _stage(state, "projection_kernel"):
+        for tp in opts.types:
+            src, tgt = state.subspaces[tp[0]], state.subspaces[tp[1]]
+            mask = pair_mask(src.flat_layers(), tgt.flat_layers(), opts.full_matrix, tp[0] == tp[1])
+            try:
+                plan = plan_pk(mask, src.d_model, src.width, tgt.width, src.bases.element_size(), opts.max_memory,
+                               opts.formulation)
+            except ValueError as e:
+                raise UsageError(f"{e}; raise --max-memory") from e
+            pk = pk_matrix(src.flat(), tgt.flat(), mask.to(opts.device), plan,
+                           advance=lambda n: progress.advance(task, n))
+            src_idx, tgt_idx = (i.numpy() for i in torch.nonzero(mask, as_tuple=True))
+            values = pk.cpu().double().numpy()[src_idx, tgt_idx]
+            state.edges[tp] = TypePairEdges(src_idx, tgt_idx, {"pk": values})
+            state.engine[tp] = {"formulation": plan.formulation, "src_tile": plan.src_tile,
+                                "tgt_tile": plan.tgt_tile, "flops": plan.flops, "working_bytes": plan.working_bytes}
+
+
+def _edge_ranks(state: AnalysisState, tp: str) -> tuple[np.ndarray, np.ndarray]:
+    edges = state.edges[tp]
+    src_ranks = state.subspaces[tp[0]].ranks.reshape(-1).cpu().numpy()[edges.src]
+    tgt_ranks = state.subspaces[tp[1]].ranks.reshape(-1).cpu().numpy()[edges.tgt]
+    return src_ranks, tgt_ranks
+
+
+def stage_reference(state: AnalysisState, progress: Progress) -> None:
+    """Isotropic z / log10 p per edge, reference moments per (k, k'), KL(random || observed) per type pair."""
+    opts = state.options
+    d = state.subspaces["Q"].d_model
+    task = progress.add_task("isotropic reference", total=len(opts.types))
+    with _stage(state, "reference"):
+        moments, samples = {}, {}
+        widths = {tp: (state.subspaces[tp[0]].width, state.subspaces[tp[1]].width) for tp in opts.types}
+        grid_upper = max(min(w) for w in widths.values())
+        edges_grid = reference.histogram_edges(grid_upper, opts.bin_width)
+        for tp in opts.types:
+            edges = state.edges[tp]
+            k, k_prime = _edge_ranks(state, tp)
+            pk = edges.columns["pk"]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                edges.columns["pk_norm"] = pk / np.sqrt(k * k_prime)
+                edges.columns["z_iso"] = reference.isotropic_z(pk, d, k, k_prime)
+                edges.columns["log10_p_iso"] = reference.isotropic_log10_p(pk, d, k, k_prime)
+            for pair in set(zip(k.tolist(), k_prime.tolist())):
+                mean, var = reference.isotropic_moments(d, *pair)
+                a, b = reference.beta_parameters(mean, var, min(pair)) if min(pair) > 0 else (np.nan, np.nan)
+                moments[f"{pair[0]},{pair[1]}"] = {"k": pair[0], "k_prime": pair[1], "mean": float(mean),
+                                                   "var": float(var), "beta_a": float(a), "beta_b": float(b)}
+            if widths[tp] not in samples:
+                samples[widths[tp]] = reference.sample_isotropic_pk(d, *widths[tp], opts.reference_samples,
+                                                                    opts.seed)
+            state.kl[tp] = (reference.kl_divergence(samples[widths[tp]], pk, edges_grid, opts.kl_eps)
+                            if len(pk) else float("nan"))
+            progress.advance(task)
+        state.reference = {
+            "moments": moments,
+            "samples": opts.reference_samples,
+            "sampler": "bidiagonal beta-Jacobi model (Edelman & Sutton 2008), exact for Haar subspaces",
+            "tail": "moment-matched Beta on [0, min(k, k')]; validated to p ~ 1e-5, an extrapolation beyond",
+            "kl_grid": {"start": float(edges_grid[0]), "bin_width": opts.bin_width,
+                        "n_bins": len(edges_grid) - 1, "eps": opts.kl_eps,
+                        "reference_widths": {tp: list(w) for tp, w in widths.items()}},
+        }
+
+
+def stage_model_null(state: AnalysisState, progress: Progress) -> None:
+    """Empirical p_model per edge against the second-moment null, and BH q_model within each type pair."""
+    opts = state.options
+    task = progress.add_task("model-matched null", total=len(opts.types))
+    with _stage(state, "model_null"):
+        sets = significance.null_head_sets(state.weights, {c for tp in opts.types for c in tp}, opts.null_heads,
+                                           opts.seed)
+        for tp in opts.types:
+            edges = state.edges[tp]
+            null = significance.null_pk_samples(sets[tp[0]][0], sets[tp[1]][1], opts.max_memory)
+            edges.columns["p_model"] = significance.empirical_upper_p(edges.columns["pk"], null)
+            edges.columns["q_model"] = significance.benjamini_hochberg(edges.columns["p_model"])
+            progress.advance(task)
+        n_values = opts.null_heads**2
+        state.null = {"name": significance.NULL_NAME, "null_heads": opts.null_heads, "n_values": n_values,
+                      "p_floor": 1.0 / (n_values + 1)}
+
+
+def stage_composition(state: AnalysisState, progress: Progress) -> None:
+    """Composition Scores for the OQ / OK / OV pairs (null where undefined: other type pairs, and OK / OV of
+    grouped-query models, whose PK pairs are per native KV head)."""
+    opts = state.options
+    kv_group = _kv_group(state.model)
+    wanted = [tp for tp in opts.types if tp in COMPOSITION_TYPES and (kv_group == 1 or tp == "OQ")]
+    task = progress.add_task("composition scores", total=max(1, len(wanted)))
+    with _stage(state, "composition"):
+        for tp in opts.types:
+            edges = state.edges[tp]
+            edges.columns["cs"] = np.full(len(edges.src), np.nan)
+            if tp not in wanted:
+                continue
+            w = state.weights
+            layers = state.subspaces["Q"].flat_layers()
+            mask = pair_mask(layers, layers, opts.full_matrix, same_type=False)
+            cs = composition_scores(w["Q"], w["K"], w["V"], w["O"], COMPOSITION_TYPES[tp], mask, opts.max_memory)
+            edges.columns["cs"] = cs.cpu().double().numpy()[edges.src, edges.tgt]
+            progress.advance(task)
+
+
+def _pairs_table(state: AnalysisState) -> pd.DataFrame:
+    kv_group = _kv_group(state.model)
+    frames = []
+    for tp, edges in state.edges.items():
+        src_sub, tgt_sub = state.subspaces[tp[0]], state.subspaces[tp[1]]
+        src_layer, src_head = edges.src // src_sub.n_heads, edges.src % src_sub.n_heads
+        tgt_layer, tgt_head = edges.tgt // tgt_sub.n_heads, edges.tgt % tgt_sub.n_heads
+        frames.append(pd.DataFrame({
+            "source": [head_name(l, h, tp[0], kv_group) for l, h in zip(src_layer.tolist(), src_head.tolist())],
+            "target": [head_name(l, h, tp[1], kv_group) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())],
+            "source_layer": src_layer, "source_head": src_head, "target_layer": tgt_layer, "target_head": tgt_head,
+            "source_type": tp[0], "target_type": tp[1], **edges.columns,
+        }))
+    pairs = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PAIR_COLUMNS)
+    return pairs[PAIR_COLUMNS]
+
+
+def _heads_table(state: AnalysisState) -> pd.DataFrame:
+    cfg = state.model.cfg
+    n_layers, n_heads, kv_group = cfg["n_layers"], cfg["n_heads"], _kv_group(state.model)
+    layer = np.repeat(np.arange(n_layers), n_heads)
+    index = np.tile(np.arange(n_heads), n_layers)
+    table = {"head": [f"L{l}H{h}" for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
+    for t in WEIGHT_TYPES:
+        ranks = state.subspaces[t].ranks.cpu().numpy()
+        heads_of_type = index // kv_group if t in ("K", "V") else index
+        table[f"rank_{t.lower()}"] = ranks[layer, heads_of_type]
+    return pd.DataFrame(table)[HEAD_COLUMNS]
+
+
+def _kl_matrix(state: AnalysisState) -> list[list[float | None]]:
+    return [[state.kl.get(s + t) for t in WEIGHT_TYPES] for s in WEIGHT_TYPES]
+
+
+def _run_metadata(state: AnalysisState, pairs: pd.DataFrame) -> dict:
+    model, opts, cfg = state.model, state.options, state.model.cfg
+    by_type = pairs.groupby(pairs.source_type + pairs.target_type)
+    kv_group = _kv_group(model)
+    return {
+        "headgraph_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": model.name, "source": str(model.source), "architecture": cfg.get("architecture"),
+                  "is_decoder": cfg.get("is_decoder")},
+        "dims": {key: cfg.get(key) for key in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "n_ctx")},
+        "processing": model.processing,
+        "processing_warnings": cfg.get("processing_warnings", []),
+        "device": opts.device,
+        "dtype": opts.dtype,
+        "seed": opts.seed,
+        "types": list(opts.types),
+        "pairs": "full matrix (all pairs but a head with its own same-type subspace)" if opts.full_matrix
+        else "earlier layer -> strictly later layer",
+        "n_pairs": {tp: int(n) for tp, n in by_type.size().items()},
+        "max_memory": opts.max_memory,
+        "engine": state.engine,
+        "timings_s": state.timings,
+        "reference": state.reference,
+        "kl": {"definition": "KL(P_random || P_observed) in nats on the shared histogram grid",
+               "rows": list(WEIGHT_TYPES), "cols": list(WEIGHT_TYPES), "matrix": _kl_matrix(state)},
+        "mean_pk": {tp: float(v) for tp, v in by_type.pk.mean().items()},
+        "fraction_q_model_below_0.05": {tp: float((q < 0.05).mean()) for tp, q in by_type.q_model},
+        "null_model": state.null,
+        "nulls": {
+            "pk_norm": "pk / sqrt(rank_source * rank_target) (no null)",
+            "z_iso": "isotropic Haar reference, exact mean and variance",
+            "log10_p_iso": "isotropic Haar reference: " + state.reference["tail"],
+            "p_model": f"{significance.NULL_NAME}: {significance.NULL_DESCRIPTION}",
+            "q_model": significance.BH_DESCRIPTION + " (p_model)",
+            "cs": "Composition Score (Elhage et al. 2021), no null; null for type pairs other than OQ/OK/OV"
+                  + (" and for OK/OV of grouped-query models" if kv_group > 1 else ""),
+        },
+        "head_naming": "L{layer}H{head}" + ("; K/V endpoints are native KV heads L{layer}KV{kv_head}, "
+                                              f"query heads {kv_group}*g .. {kv_group}*g+{kv_group - 1} share KV head g"
+                                              if kv_group > 1 else ""),
+        "rank_deficient_heads": rank_deficient_heads(state.subspaces),
+    }
+
+
+STAGES = (stage_subspaces, stage_projection_kernel, stage_reference, stage_model_null, stage_composition)
+
+
+def analyze(model, types=DEFAULT_TYPES, *, full_matrix: bool = False, device: str | None = None,
+            dtype: str = "float32", seed: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
+            reference_samples: int = DEFAULT_REFERENCE_SAMPLES, null_heads: int = DEFAULT_NULL_HEADS,
+            bin_width: float = reference.DEFAULT_BIN_WIDTH, kl_eps: float = reference.DEFAULT_KL_EPS,
+            formulation: str = "auto", progress: bool = True, console: Console | None = None) -> AnalysisResult:
+    """Run every stage on a LoadedModel and return the run metadata, the pairs and the heads tables."""
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be float32 or float64, got {dtype!r}")
+    if null_heads < 2 or reference_samples < 100:
+        raise UsageError("null_heads must be >= 2 and reference_samples >= 100")
+    options = AnalysisOptions(parse_types(types), full_matrix, resolve_device(device), dtype, seed, int(max_memory),
+                              reference_samples, null_heads, bin_width, kl_eps, formulation)
+    state = AnalysisState(model=model, options=options)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console or Console(stderr=True), disable=not progress) as bar:
+        for stage in STAGES:
+            stage(state, bar)
+    pairs = _pairs_table(state)
+    return AnalysisResult(run=_run_metadata(state, pairs), pairs=pairs, heads=_heads_table(state))
