@@ -150,12 +150,16 @@ def comparison_json(comparison):
 
 def print_comparison(comparison, limit=None):
     """Print the comparison as two rich tables (edges, roles) and its notes."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
     edges = comparison.edges.head(limit) if limit else comparison.edges
-    table = Table(title=f"Edge changes A → B ({comparison.policy.describe()}; most important first)")
+    table = Table(title=f"Edge changes A → B ({comparison.policy.describe()}; most important first)",
+                  box=box.SIMPLE_HEAD)
     for name in ("change", "edge", "PK A → B", "Δ/ref sd", "rank A → B", "q A → B"):
         table.add_column(name, justify="left" if name in ("change", "edge") else "right", no_wrap=True)
     for row in edges.itertuples(index=False):
@@ -165,7 +169,8 @@ def print_comparison(comparison, limit=None):
     console.print(table)
     if len(comparison.roles):
         roles = comparison.roles.head(limit) if limit else comparison.roles
-        role_table = Table(title="Role changes A → B (significance flips; largest change in log10 p first)")
+        role_table = Table(title="Role changes A → B (significance flips; largest change in log10 p first)",
+                           box=box.SIMPLE_HEAD)
         for name in ("change", "head", "role", "score A → B", "p A → B"):
             role_table.add_column(name, justify="left" if name in ("change", "head", "role") else "right", no_wrap=True)
         for row in roles.itertuples(index=False):

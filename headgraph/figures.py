@@ -219,12 +219,20 @@ def _head_classes(classes):
     return owner
 
 
-def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k per type by PK"):
+def _endpoint_x(names, index, n_heads, n_kv_heads):
+    """Column of an edge endpoint: the head index, or for a native KV head L{l}KV{g} of a grouped-query
+    model the centre of its query-head group."""
+    group = n_heads // (n_kv_heads or n_heads)
+    return np.where(names.str.contains("KV"), index * group + (group - 1) / 2, index).astype(float)
+
+
+def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k per type by PK", n_kv_heads=None):
     """The selected edges drawn on a layer (rows, layer 0 at the top) × head (columns) grid.
 
     edges: DataFrame with source, target, source_layer, source_head, target_layer, target_head,
     source_type, target_type, pk. Opacity = PK / max PK of the edge's type. Each edge artist has the
-    gid "edge:<source>-><target>:<type>" (kept in the SVG), each head node "head:<name>".
+    gid "edge:<source>-><target>:<type>" (kept in the SVG), each head node "head:<name>". Native KV heads
+    of grouped-query models (L{l}KV{g}) are diamonds at the centre of their query-head group.
     classes: optional {class name: [head names]} colouring nodes.
     """
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_heads + 3.5), max(4.0, 0.6 * n_layers + 2.0)))
@@ -233,11 +241,12 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
     max_pk = edges.groupby(edge_types)["pk"].transform("max")
     alpha = (edges["pk"] / max_pk).clip(0, 1).fillna(0)
     type_order = [tp for tp in TYPE_PAIRS if tp in set(edge_types)]
-    for idx, row in edges.iterrows():
+    source_x = _endpoint_x(edges["source"], edges["source_head"], n_heads, n_kv_heads)
+    target_x = _endpoint_x(edges["target"], edges["target_head"], n_heads, n_kv_heads)
+    for i, (idx, row) in enumerate(edges.iterrows()):
         tp = edge_types[idx]
         rad = 0.18 + 0.1 * type_order.index(tp)
-        arrow = FancyArrowPatch((row["source_head"], row["source_layer"]),
-                                (row["target_head"], row["target_layer"]),
+        arrow = FancyArrowPatch((source_x[i], row["source_layer"]), (target_x[i], row["target_layer"]),
                                 connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>", mutation_scale=9,
                                 color=TYPE_COLORS[tp], alpha=float(alpha[idx]), lw=1.6,
                                 shrinkA=7, shrinkB=7, zorder=2)
@@ -255,6 +264,15 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
             if name in involved:
                 ax.annotate(name, (head, layer), xytext=(0, -11), textcoords="offset points",
                             ha="center", va="top", fontsize=6.5, zorder=4)
+    kv_ends = pd.DataFrame({"name": np.r_[edges["source"], edges["target"]],
+                            "x": np.r_[source_x, target_x],
+                            "layer": np.r_[edges["source_layer"], edges["target_layer"]]}).drop_duplicates("name")
+    for name, x, layer in kv_ends[kv_ends["name"].str.contains("KV")].itertuples(index=False):
+        node = ax.scatter([x], [layer], s=110, marker="D", color="white", edgecolors="black", linewidths=0.8,
+                          zorder=3)
+        node.set_gid(f"head:{name}")
+        ax.annotate(name, (x, layer), xytext=(0, 9), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=6.5, zorder=4)
     ax.set_xlim(-0.8, n_heads - 0.2)
     ax.set_ylim(n_layers - 0.3, -0.7)
     ax.set_xticks(range(n_heads))
@@ -268,6 +286,9 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
                        markersize=8, label=c.replace("_", " ")) for c in present_classes]
     handles.append(Line2D([], [], marker="o", ls="", markerfacecolor=NODE_COLOR, markeredgecolor="#9e9e9e",
                           markersize=6, label="other head"))
+    if kv_ends["name"].str.contains("KV").any():
+        handles.append(Line2D([], [], marker="D", ls="", markerfacecolor="white", markeredgecolor="black",
+                              markersize=6, label="KV head (shared by a query group)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
               title="edges (opacity = PK / max of type)\nand head classes", title_fontsize=8)
     ax.set_title(f"{model}: {len(edges)} edges, {selection}", fontsize=10)

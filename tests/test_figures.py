@@ -156,3 +156,14 @@ def test_hub_chart_bars_sum_to_the_degrees(run):
         widths[labels[y]] = widths.get(labels[y], 0) + abs(bar.get_width())
     assert widths == {head: counts[head] for head in labels}
     assert labels[-1] == counts.index[0]  # the top hub is drawn at the top
+
+
+def test_topk_graph_places_kv_heads_at_their_query_group(tmp_path):
+    edges = pd.DataFrame({"source": ["L0H1", "L0H5"], "target": ["L1KV0", "L2KV1"], "source_layer": [0, 0],
+                          "source_head": [1, 5], "target_layer": [1, 2], "target_head": [0, 1],
+                          "source_type": ["O", "O"], "target_type": ["K", "V"], "pk": [3.0, 2.0]})
+    fig = figures.topk_graph(edges, 3, 8, "gqa", n_kv_heads=2)  # groups of 4 query heads
+    kv = {c.get_gid(): c.get_offsets()[0] for c in fig.axes[0].collections if "KV" in (c.get_gid() or "")}
+    assert kv["head:L1KV0"].tolist() == [1.5, 1.0] and kv["head:L2KV1"].tolist() == [5.5, 2.0]
+    ends = {p.get_gid(): p._posA_posB[1] for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)}
+    assert ends["edge:L0H1->L1KV0:OK"] == (1.5, 1) and ends["edge:L0H5->L2KV1:OV"] == (5.5, 2)
