@@ -308,8 +308,12 @@ def _layer_head_grid(heads, column):
     return grid
 
 
-def role_heatmaps(heads, model):
-    """Layer × head heatmap per role score column (significant heads boxed); None if no role columns."""
+def role_heatmaps(heads, model, tau=3.0):
+    """Layer × head heatmap per role score column (significant heads boxed); None if no role columns.
+
+    Sieve bias scores share one colour range from 0 to at least the test threshold tau (marked on the
+    colour bar), so a uniform head (score 1) never looks strong.
+    """
     roles = role_columns(heads)
     if not roles:
         return None
@@ -321,19 +325,23 @@ def role_heatmaps(heads, model):
     annotate = n_layers * n_heads <= 256
     for ax, role in zip(axes.flat, roles):
         grid = _layer_head_grid(heads, f"{role}_score")
-        im = ax.imshow(grid, cmap="Greens" if role == "identity" else "viridis", aspect="equal")
-        label = ("mean self-attention (probability)" if role == "identity"
-                 else "sieve bias score (1 = uniform)")
-        fig.colorbar(im, ax=ax, label=label, shrink=0.85)
+        if role == "identity":
+            im = ax.imshow(grid, cmap="Greens", vmin=0, vmax=1, aspect="equal")
+            fig.colorbar(im, ax=ax, label="mean self-attention (probability)", shrink=0.85)
+        else:
+            im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(tau * 1.25, np.nanmax(grid)), aspect="equal")
+            bar = fig.colorbar(im, ax=ax, label=f"sieve bias (1 = uniform, τ = {tau:g})", shrink=0.85)
+            bar.ax.axhline(tau, color="#d62728", lw=2)
         if f"{role}_sig" in heads:
             sig = heads[heads[f"{role}_sig"].astype(bool)]
             for layer, head in zip(sig["layer"], sig["index"]):
                 ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, ec="#d62728", lw=2))
         if annotate:
-            vmax = np.nanmax(grid)
+            low, high = im.get_clim()
+            light = ("white", "black") if role == "identity" else ("black", "white")  # (high, low) text colour
             for (layer, head), value in np.ndenumerate(grid):
                 ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=5.5,
-                        color="white" if value > 0.6 * vmax else "black")
+                        color=light[0] if (value - low) > 0.6 * (high - low) else light[1])
         ax.set_xticks(range(n_heads))
         ax.set_yticks(range(n_layers))
         ax.tick_params(labelsize=7)

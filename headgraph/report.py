@@ -344,7 +344,7 @@ def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None
         "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
         "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
                                                      selection=selection, n_kv_heads=run.dims.get("n_kv_heads")),
-        "fig_roles": lambda: figures.role_heatmaps(run.heads, model),
+        "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=run.meta.get("roles", {}).get("tau", 3.0)),
         "fig_hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
                                                      heads=hub_order),
     }
