@@ -174,12 +174,13 @@ def projector_layout(d: int, k: int) -> tuple[int, int]:
     return b, nb * (nb + 1) // 2
 
 
-def vectorised_projectors(bases: torch.Tensor, chunk: int) -> torch.Tensor:
+def vectorised_projectors(bases: torch.Tensor, chunk: int, width: int | None = None) -> torch.Tensor:
     """[n, d, k] bases -> [n, T b^2]: the blocks of P = U U^T on and above the block diagonal, off-diagonal
     blocks times sqrt 2, so that the dot product of two rows is tr(P P'). Each block U_i U_j^T is built
-    directly from row blocks of U (half the FLOPs of forming P, no gather)."""
+    directly from row blocks of U (half the FLOPs of forming P, no gather). Vectors of two sets are
+    comparable when built with the same layout `width` (default k)."""
     n, d, k = bases.shape
-    b, n_blocks = projector_layout(d, k)
+    b, n_blocks = projector_layout(d, width or k)
     nb = math.ceil(d / b)
     block_i, block_j = torch.triu_indices(nb, nb, device=bases.device)
     weight = torch.full(block_i.shape, math.sqrt(2.0), dtype=bases.dtype, device=bases.device)
@@ -223,23 +224,27 @@ def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, plan: PK
     `advance(n)` is called after each source tile with the number of source heads done."""
     n_src, n_tgt = src.shape[0], tgt.shape[0]
     out = torch.full((n_src, n_tgt), float("nan"), dtype=src.dtype, device=src.device)
-    chunk = plan.build_chunk
     k_tgt = tgt.shape[2]
+    width = max(src.shape[2], k_tgt)
+
+    def projectors(bases: torch.Tensor) -> torch.Tensor:
+        return vectorised_projectors(bases, plan.build_chunk, width)
+
     cached = None
     if plan.cache_targets:
-        cached = vectorised_projectors(tgt, chunk) if plan.formulation == "projector" else stacked_bases(tgt)
+        cached = projectors(tgt) if plan.formulation == "projector" else stacked_bases(tgt)
     for i0 in range(0, n_src, plan.src_tile):
         i1 = min(i0 + plan.src_tile, n_src)
         span = _column_span(mask[i0:i1])
         if span is not None:
-            src_vec = vectorised_projectors(src[i0:i1], chunk) if plan.formulation == "projector" else None
+            src_vec = projectors(src[i0:i1]) if plan.formulation == "projector" else None
             for j0 in range(span[0], span[1], plan.tgt_tile):
                 j1 = min(j0 + plan.tgt_tile, span[1])
                 if plan.formulation == "gram":
                     right = cached[:, j0 * k_tgt:j1 * k_tgt] if cached is not None else stacked_bases(tgt[j0:j1])
                     out[i0:i1, j0:j1] = _gram_tile(src[i0:i1], right, k_tgt)
                 else:
-                    tgt_vec = cached[j0:j1] if cached is not None else vectorised_projectors(tgt[j0:j1], chunk)
+                    tgt_vec = cached[j0:j1] if cached is not None else projectors(tgt[j0:j1])
                     out[i0:i1, j0:j1] = src_vec @ tgt_vec.T
         if advance is not None:
             advance(i1 - i0)

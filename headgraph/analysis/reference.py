@@ -131,15 +131,17 @@ def _log_betacf(a, b, x, iterations: int = 300):
 def beta_log_sf(x, a, b):
     """Natural log of the upper tail P(X > x) of Beta(a, b), finite far beyond float underflow."""
     x, a, b = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (x, a, b)))
+    shape = x.shape
+    x, a, b = (np.atleast_1d(v) for v in (x, a, b))
     x = np.clip(x, 0.0, np.nextafter(1.0, 0.0))
-    log_sf = stats.beta.logsf(x, a, b)
+    log_sf = np.asarray(stats.beta.logsf(x, a, b), dtype=np.float64)
     deep = ~np.isfinite(log_sf) | (log_sf < -600)
     if deep.any():
         xd, ad, bd = 1.0 - x[deep], b[deep], a[deep]
         # P(X > x) = I_{1-x}(b, a) = (1-x)^b x^a / (b B(a, b)) * CF(b, a, 1 - x)
         log_sf[deep] = (ad * np.log(xd) + bd * np.log1p(-xd) - np.log(ad) - special.betaln(ad, bd)
                         + _log_betacf(ad, bd, xd))
-    return log_sf
+    return log_sf.reshape(shape)[()]
 
 
 def isotropic_z(pk, d, k, k_prime):

@@ -1,0 +1,59 @@
+"""Head subspace bases: orthonormal, spanning the weights' column spaces, numerical ranks as numpy measures them."""
+
+import numpy as np
+import pytest
+import torch
+
+from headgraph.analysis.subspaces import head_matrices, model_subspaces, orthonormal_bases, rank_deficient_heads
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(0)
+    L, H, d, k = 3, 4, 32, 8
+    w = {t: torch.randn(L, H, d, k, generator=g, dtype=torch.float64) for t in "QKV"}
+    w["O"] = torch.randn(L, H, k, d, generator=g, dtype=torch.float64)
+    w["Q"][1, 2, :, 5] = w["Q"][1, 2, :, 0] - 2 * w["Q"][1, 2, :, 3]  # one rank-deficient Q head
+    w["O"][2, 0, 7] = 0.0  # one rank-deficient O head (a zero row of W_O)
+    return w
+
+
+def test_bases_are_orthonormal_and_span_the_weights(weights):
+    subspaces = model_subspaces(weights, {"Q", "O"}, torch.float64, torch.device("cpu"))
+    for t in ("Q", "O"):
+        u = subspaces[t].bases
+        m = head_matrices(weights[t], t)
+        gram = u.transpose(-2, -1) @ u
+        ranks = subspaces[t].ranks
+        expected = torch.diag_embed((torch.arange(u.shape[-1]) < ranks[..., None]).double())
+        torch.testing.assert_close(gram, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(u @ (u.transpose(-2, -1) @ m), m, atol=1e-10, rtol=0)
+
+
+def test_ranks_match_numpy_and_deficient_heads_are_listed(weights):
+    subspaces = model_subspaces(weights, {"Q", "K", "V", "O"}, torch.float64, torch.device("cpu"))
+    for t, sub in subspaces.items():
+        expected = np.linalg.matrix_rank(head_matrices(weights[t], t).numpy())
+        np.testing.assert_array_equal(sub.ranks.numpy(), expected)
+    listed = {(r["type"], r["layer"], r["head"], r["rank"]) for r in rank_deficient_heads(subspaces)}
+    assert listed == {("Q", 1, 2, 7), ("O", 2, 0, 7)}
+
+
+def test_o_subspace_is_the_row_space_of_w_o(weights):
+    sub = orthonormal_bases(head_matrices(weights["O"], "O"), "O", torch.float64)
+    w_o = weights["O"][0, 1].numpy()  # d_head x d_model: the head writes w_o^T x into the residual stream
+    writes = w_o.T @ np.random.default_rng(1).standard_normal(w_o.shape[0])
+    u = sub.bases[0, 1].numpy()
+    np.testing.assert_allclose(u @ (u.T @ writes), writes, atol=1e-10)
+
+
+def test_grouped_query_keys_keep_their_native_heads():
+    w_k = torch.randn(2, 2, 16, 4, dtype=torch.float64)  # 2 native KV heads per layer
+    sub = orthonormal_bases(head_matrices(w_k, "K"), "K", torch.float64)
+    assert sub.bases.shape == (2, 2, 16, 4) and sub.flat().shape == (4, 16, 4)
+    assert sub.flat_layers().tolist() == [0, 0, 1, 1] and sub.flat_heads().tolist() == [0, 1, 0, 1]
+
+
+def test_bad_weight_type_is_refused():
+    with pytest.raises(ValueError, match="weight type"):
+        head_matrices(torch.zeros(1, 1, 4, 2), "X")
