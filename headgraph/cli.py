@@ -72,8 +72,8 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
     folder = write_artifacts(result, out_dir)
     run = result.run
     console = Console()
-    kl = Table(title=f"{loaded.name} ({processing}): KL(random || observed), nats",
-               caption="rows: source type, columns: target type; - not computed")
+    console.print(f"{loaded.name} (processing {processing}, {run['device']}, {run['dtype']})")
+    kl = Table(title="KL(random || observed), nats", caption="rows: source, columns: target; - not computed")
     kl.add_column("")
     for t in WEIGHT_TYPES:
         kl.add_column(t, justify="right")

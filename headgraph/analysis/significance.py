@@ -35,7 +35,8 @@ def null_bases(sigma: torch.Tensor, n_heads: int, width: int, generator: torch.G
     """Orthonormal bases [n_heads, d, width] of the column space of Sigma^(1/2) G, G Gaussian (V diag(sqrt
     lambda) G has the same law, the rotation V^T being absorbed by G)."""
     eigenvalues, eigenvectors = torch.linalg.eigh(sigma)
-    root = eigenvectors * eigenvalues.clamp(min=0).sqrt()
+    floor = sigma.shape[0] * torch.finfo(sigma.dtype).eps * eigenvalues.abs().max()
+    root = eigenvectors * torch.where(eigenvalues > floor, eigenvalues, 0.0).sqrt()
     gaussian = torch.randn(n_heads, sigma.shape[0], width, generator=generator, dtype=sigma.dtype)
     draws = root @ gaussian.to(sigma.device)
     return orthonormal_bases(draws.unsqueeze(0), "null", sigma.dtype).bases[0]

@@ -1,0 +1,141 @@
+"""The analyze pipeline and command on tiny synthetic models: artifact contract, planted edges on top, a
+random-init model without discoveries, options, and one-line errors."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, read_artifacts, write_artifacts
+from headgraph.cli import main
+from headgraph.loader.models import load_model
+from headgraph.pipeline import analyze
+
+FAST = {"reference_samples": 20_000, "null_heads": 120, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def planted_model(planted):
+    return load_model(planted[0], processing="tl", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def planted_run(planted_model):
+    return analyze(planted_model, seed=1, **FAST)
+
+
+@pytest.fixture(scope="module")
+def random_model(synthetic_dir):
+    return load_model(synthetic_dir, processing="tl", device="cpu")
+
+
+def test_pairs_and_heads_follow_the_artifact_contract(planted_run, planted_model):
+    pairs, heads = planted_run.pairs, planted_run.heads
+    assert list(pairs.columns) == PAIR_COLUMNS and list(heads.columns) == HEAD_COLUMNS
+    assert len(pairs) == 3 * 3 * 16  # OQ, OK, OV x 3 layer pairs (earlier -> later) x 4 x 4 heads
+    assert (pairs.source_layer < pairs.target_layer).all()
+    assert (pairs.source == "L" + pairs.source_layer.astype(str) + "H" + pairs.source_head.astype(str)).all()
+    assert set(pairs.source_type) == {"O"} and set(pairs.target_type) == {"Q", "K", "V"}
+    assert pairs.cs.notna().all() and pairs.pk.between(0, 16 + 1e-4).all()
+    np.testing.assert_allclose(pairs.pk_norm, pairs.pk / 16)
+    assert heads["head"].tolist() == [f"L{l}H{h}" for l in range(3) for h in range(4)]
+    assert (heads[["rank_q", "rank_k", "rank_v", "rank_o"]] == 16).all().all()
+
+
+def test_run_metadata_records_the_run(planted_run):
+    run = planted_run.run
+    assert run["model"]["name"] and run["processing"] == "tl" and run["device"] == "cpu"
+    assert run["dtype"] == "float32" and run["seed"] == 1 and run["dims"]["d_model"] == 64
+    assert run["reference"]["moments"]["16,16"]["mean"] == pytest.approx(16 * 16 / 64)
+    kl = run["kl"]["matrix"]
+    assert kl[3][0] is not None and kl[3][1] is not None and kl[3][2] is not None  # OQ, OK, OV
+    assert sum(v is None for row in kl for v in row) == 13
+    assert set(run["mean_pk"]) == {"OQ", "OK", "OV"}
+    assert {"z_iso", "log10_p_iso", "p_model", "q_model", "cs"} <= set(run["nulls"])
+    assert set(run["timings_s"]) == {"subspaces", "projection_kernel", "reference", "model_null", "composition"}
+    assert run["rank_deficient_heads"] == []
+
+
+def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
+    truth = {(s, t, tp) for s, t, tp, _ in planted[1].edges}
+    pairs = planted_run.pairs
+    ranked = pairs.sort_values("pk", ascending=False)
+    top = set(list(zip(ranked.source, ranked.target, ranked.source_type + ranked.target_type))[: len(truth)])
+    assert len(top & truth) / len(truth) >= 0.95
+    key = list(zip(pairs.source, pairs.target, pairs.source_type + pairs.target_type))
+    planted_rows = pairs[[k in truth for k in key]]
+    assert len(planted_rows) == len(truth)
+    assert (planted_rows.q_model < 0.05).all() and (planted_rows.z_iso > 5).all()
+    assert (pairs[[k not in truth for k in key]].q_model < 0.05).mean() <= 0.05
+
+
+def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
+    result = analyze(random_model, types="all", **FAST)
+    assert len(result.pairs) == 16 * 16  # 16 type pairs x (1 layer pair x 4 x 4 heads)
+    assert (result.pairs.q_model < 0.05).mean() <= 0.05
+    assert all(v is not None for row in result.run["kl"]["matrix"] for v in row)
+    assert result.pairs.cs.notna().sum() == 3 * 16  # only OQ, OK, OV have a Composition Score
+
+
+def test_full_matrix_and_float64(random_model):
+    full = analyze(random_model, types=("OQ", "QQ"), full_matrix=True, dtype="float64", **FAST)
+    counts = (full.pairs.source_type + full.pairs.target_type).value_counts()
+    assert counts["OQ"] == 8 * 8 and counts["QQ"] == 8 * 8 - 8  # a head's own Q subspace is left out
+    forward = analyze(random_model, types=("OQ",), **FAST).pairs
+    merged = forward.merge(full.pairs, on=["source", "target", "source_type", "target_type"])
+    assert len(merged) == len(forward)
+    np.testing.assert_allclose(merged.pk_x, merged.pk_y, atol=1e-5)
+
+
+def test_artifacts_round_trip_with_nulls(random_model, tmp_path):
+    result = analyze(random_model, types=("OQ", "QK"), **FAST)
+    folder = write_artifacts(result, tmp_path / "run")
+    back = read_artifacts(folder)
+    pd.testing.assert_frame_equal(back.pairs, result.pairs)
+    pd.testing.assert_frame_equal(back.heads, result.heads)
+    assert back.run == json.loads(json.dumps(back.run))
+    cs = pq.read_table(folder / "pairs.parquet").column("cs")
+    assert cs.null_count == 16  # QK has no Composition Score: stored as null, not NaN
+    assert back.run["kl"]["matrix"][1][1] is None and math.isfinite(back.run["kl"]["matrix"][0][1])
+
+
+def run_cli(args, capsys):
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_path, capsys):
+    code, out, _ = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--types", "oq,ok",
+                            "--null-heads", "50", "--reference-samples", "5000", "--max-memory", "64MiB"], capsys)
+    assert code == 0
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {"run.json", "pairs.parquet", "heads.parquet"}
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert run["types"] == ["OQ", "OK"] and run["max_memory"] == 64 * 2**20
+    assert "KL(random || observed), nats" in out and "OK" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--types", "ox"], "bad --types"),
+    (["--max-memory", "lots"], "not a size"),
+    (["--max-memory", "1000"], "raise --max-memory"),
+    (["--dtype", "float16"], "float16"),
+])
+def test_bad_options_are_one_line_usage_errors(synthetic_dir, tmp_path, capsys, args, message):
+    code, _, err = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, capsys):
+    code, _, err = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--device", "cuda"], capsys)
+    assert code == 2 and err.strip().count("\n") == 0 and "no CUDA device" in err

@@ -1,0 +1,81 @@
+"""Model-matched null: BH and empirical p-values against independent computations, and calibration on random
+weights — isotropic and anisotropic — where no edge is real."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.reference import isotropic_log10_p
+from headgraph.analysis.significance import (benjamini_hochberg, empirical_upper_p, null_bases, null_head_sets,
+                                             null_pk_samples, second_moment)
+from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
+
+L, H, D, K = 4, 4, 64, 16
+
+
+def test_benjamini_hochberg_equals_scipy():
+    p = np.random.default_rng(0).uniform(size=500) ** 3
+    np.testing.assert_allclose(benjamini_hochberg(p), stats.false_discovery_control(p, method="bh"), rtol=1e-12)
+
+
+def test_empirical_upper_p_counts_exceedances():
+    rng = np.random.default_rng(1)
+    null, observed = rng.normal(size=1000), np.array([-5.0, 0.0, 0.3, 10.0, rng.normal(size=1000)[0]])
+    expected = [(1 + np.sum(null >= x)) / 1001 for x in observed]
+    np.testing.assert_allclose(empirical_upper_p(observed, null), expected)
+
+
+def test_second_moment_is_the_mean_outer_product_per_column():
+    w = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+    cols = w.permute(2, 0, 1, 3).reshape(10, -1).numpy()
+    np.testing.assert_allclose(second_moment(w, "Q").numpy(), cols @ cols.T / cols.shape[1], atol=1e-12)
+    w_o = torch.randn(2, 3, 4, 10, dtype=torch.float64)
+    rows = w_o.reshape(-1, 10).numpy()  # O: the rows of W_O are the written directions
+    np.testing.assert_allclose(second_moment(w_o, "O").numpy(), rows.T @ rows / rows.shape[0], atol=1e-12)
+
+
+def test_null_heads_live_in_the_support_of_sigma():
+    basis = torch.linalg.qr(torch.randn(20, 6, dtype=torch.float64)).Q
+    sigma = basis @ torch.diag(torch.tensor([9.0, 5, 4, 3, 2, 1], dtype=torch.float64)) @ basis.T
+    heads = null_bases(sigma, 50, 3, torch.Generator().manual_seed(0))
+    assert heads.shape == (50, 20, 3)
+    torch.testing.assert_close(basis @ (basis.T @ heads), heads, atol=1e-10, rtol=0)
+
+
+def random_model(covariance_root: torch.Tensor | None, seed: int) -> dict[str, torch.Tensor]:
+    """Gaussian weights (GPT-2's init scale); each column / written direction ~ N(0, C C^T) if a root C is given."""
+    g = torch.Generator().manual_seed(seed)
+    w = {t: 0.02 * torch.randn(L, H, D, K, generator=g) for t in "QKV"}
+    w["O"] = 0.02 * torch.randn(L, H, K, D, generator=g)
+    if covariance_root is not None:
+        w = {t: (covariance_root @ v if t != "O" else v @ covariance_root.T) for t, v in w.items()}
+    return w
+
+
+def edge_statistics(w: dict[str, torch.Tensor], type_pair: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q_model, log10_p_iso) of every earlier -> later edge of one type pair."""
+    src, tgt = (orthonormal_bases(head_matrices(w[t], t), t, torch.float32) for t in type_pair)
+    mask = pair_mask(src.flat_layers(), tgt.flat_layers(), full_matrix=False, same_type=type_pair[0] == type_pair[1])
+    pk = pk_matrix(src.flat(), tgt.flat(), mask, plan_pk(mask, D, K, K, 4))[mask].double().numpy()
+    sets = null_head_sets(w, set(type_pair), n_heads=150, seed=seed)
+    null = null_pk_samples(sets[type_pair[0]][0], sets[type_pair[1]][1], max_memory=2**30)
+    return benjamini_hochberg(empirical_upper_p(pk, null)), isotropic_log10_p(pk, D, K, K)
+
+
+@pytest.mark.parametrize("type_pair", ["OQ", "OK", "OV", "QQ", "VO"])
+def test_random_init_model_has_at_most_five_percent_discoveries(type_pair):
+    q, _ = edge_statistics(random_model(None, seed=2), type_pair, seed=3)
+    assert len(q) == 6 * H * H
+    assert np.mean(q < 0.05) <= 0.05
+
+
+def test_model_null_is_calibrated_where_the_isotropic_null_is_not():
+    g = torch.Generator().manual_seed(4)
+    scales = torch.ones(D)
+    scales[:12] = 6.0  # a shared 12-dim high-variance subspace: every head leans into it
+    root = torch.linalg.qr(torch.randn(D, D, generator=g)).Q * scales
+    q, log10_p_iso = edge_statistics(random_model(root, seed=5), "OK", seed=6)
+    assert np.mean(log10_p_iso < np.log10(0.05)) > 0.5
+    assert np.mean(q < 0.05) <= 0.05
