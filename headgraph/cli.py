@@ -113,7 +113,11 @@ def runs(action, run_id, fmt, store):
         if run_id is not None:
             raise UsageError(f"unexpected argument {run_id!r}: use `headgraph runs` or `headgraph runs delete RUN_ID`")
         with store.open(read_only=True) as opened:
-            print_rows(opened.read(RUNS_QUERY), fmt)
+            rows = opened.read(RUNS_QUERY)
+            if not rows.rows and fmt == "table":
+                click.echo(f"no runs in {opened.description}; `headgraph analyze MODEL` stores one")
+                return
+            print_rows(rows, fmt)
         return
     if run_id is None:
         raise UsageError("name the run to delete: headgraph runs delete RUN_ID (ids: headgraph runs)")

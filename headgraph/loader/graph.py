@@ -120,6 +120,11 @@ def _run_id(run: Mapping[str, Any], model_name: str) -> str:
     return f"{slug}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
 
 
+def class_labels(head_classes) -> dict[str, list[str]]:
+    """{head: its class names} from a `headgraph.analysis.classes.HeadClasses`, for `classes=` below."""
+    return {head: head_classes.classes_of(head) for head in head_classes.heads}
+
+
 def with_pair_endpoints(heads: pd.DataFrame | None, pairs: pd.DataFrame) -> pd.DataFrame:
     """The heads table plus every pair endpoint it lacks (e.g. the native KV heads `L3KV1` of a
     grouped-query model), so that every edge has both of its Head nodes."""

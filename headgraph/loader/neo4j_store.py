@@ -33,7 +33,7 @@ def _first_line(error: Exception) -> str:
 def connect(uri: str, user: str, password: str) -> neo4j.Driver:
     """A driver with verified connectivity and credentials; failures become one-line StoreUnavailable."""
     try:
-        driver = GraphDatabase.driver(uri, auth=(user, password))
+        driver = GraphDatabase.driver(uri, auth=(user, password), notifications_min_severity="OFF")
     except (ConfigurationError, ValueError) as e:
         raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({_first_line(e)}); use e.g. bolt://127.0.0.1:7687") from None
     try:

@@ -8,7 +8,7 @@
 MATCH (run:Run) WHERE run.id = $run AND run.status = 'complete'
 MATCH (h:Head)-[r]-(:Head) WHERE h.run_id = run.id AND (size($types) = 0 OR r.kind IN $types)
 WITH DISTINCT h
-UNWIND CASE WHEN size(h.classes) = 0 THEN [''] ELSE h.classes END AS label
+UNWIND CASE WHEN h.classes IS NULL OR size(h.classes) = 0 THEN [''] ELSE h.classes END AS label
 WITH h, count(CASE WHEN label <> '' AND (size($classes) = 0 OR label IN $classes) THEN 1 END) AS label_hits
 WITH h, CASE WHEN size($heads) > 0 THEN h.name IN $heads ELSE label_hits > 0 END AS in_class
 WITH h, CASE WHEN in_class THEN 'in-class' ELSE 'out-of-class' END AS membership
