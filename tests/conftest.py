@@ -57,6 +57,21 @@ def neo4j_driver(neo4j_config):
     driver.close()
 
 
+@_neo4j_pytest.fixture(scope="session")
+def local_neo4j():
+    """The scripts/neo4j-local server (headgraph.neo4j_local.LocalServer), with Browser and its style/guide server;
+    started here, and stopped at the end, only when it was not already running."""
+    from headgraph.neo4j_local import LocalServer, start, status, stop
+
+    server = LocalServer.from_env()
+    was_running = status(server) is not None
+    if not was_running:
+        start(server, log=lambda message: None)
+    yield server
+    if not was_running:
+        stop(server, log=lambda message: None)
+
+
 @_neo4j_pytest.fixture
 def neo4j_run_id(neo4j_driver):
     """A unique run id for one test; afterwards every node with that `run_id` (and a Run with that `id`) is removed."""

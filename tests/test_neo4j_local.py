@@ -10,7 +10,7 @@ import pytest
 from neo4j.exceptions import AuthError
 
 from headgraph.errors import StoreUnavailable
-from headgraph.neo4j_local import LocalServer, assemble, server_version, start, status, stop
+from headgraph.neo4j_local import LocalServer, assemble, server_version, start, status
 
 pytestmark = pytest.mark.neo4j
 REPO = Path(__file__).resolve().parents[1]
@@ -30,18 +30,6 @@ def test_a_node_written_through_bolt_reads_back(neo4j_driver, neo4j_run_id):
     assert rows == [{"key": key, "layer": 4, "pk": 0.8125}]
 
 
-@pytest.fixture(scope="module")
-def local_server():
-    """The scripts/neo4j-local server; started here (and stopped afterwards) only when it is not running."""
-    server = LocalServer.from_env()
-    was_running = status(server) is not None
-    if not was_running:
-        start(server, log=lambda message: None)
-    yield server
-    if not was_running:
-        stop(server, log=lambda message: None)
-
-
 def _listening_addresses(port: int) -> set[str]:
     """Hex local addresses of TCP sockets in LISTEN state on `port`, from /proc/net/tcp and tcp6."""
     found = set()
@@ -57,56 +45,56 @@ def _listening_addresses(port: int) -> set[str]:
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
-def test_the_local_server_listens_on_loopback_only(local_server):
-    for port in (local_server.bolt_port, local_server.http_port, local_server.assets_port):
+def test_the_local_neo4j_listens_on_loopback_only(local_neo4j):
+    for port in (local_neo4j.bolt_port, local_neo4j.http_port, local_neo4j.assets_port):
         addresses = _listening_addresses(port)
         assert addresses, f"nothing listens on port {port}"
         assert addresses <= LOOPBACK, f"port {port} listens on {addresses}"
 
 
-def test_status_reports_a_live_neo4j_5_26_process(local_server):
-    running = status(local_server)
+def test_status_reports_a_live_neo4j_5_26_process(local_neo4j):
+    running = status(local_neo4j)
     assert running.version.startswith("Neo4j/5.26.")
     cmdline = Path(f"/proc/{running.pid}/cmdline").read_bytes().split(b"\0")
     assert b"org.neo4j.server.CommunityEntryPoint" in cmdline
-    assert f"--home-dir={local_server.home}".encode() in cmdline
+    assert f"--home-dir={local_neo4j.home}".encode() in cmdline
 
 
-def test_start_when_running_is_a_no_op_that_exports_the_uri(local_server):
-    before = status(local_server).pid
+def test_start_when_running_is_a_no_op_that_exports_the_uri(local_neo4j):
+    before = status(local_neo4j).pid
     shell = f'eval "$({REPO}/scripts/neo4j-local start --print-env)" && echo "$NEO4J_URI $NEO4J_USER"'
     done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{local_server.uri} neo4j"
+    assert done.stdout.strip() == f"{local_neo4j.uri} neo4j"
     assert "already running" in done.stderr
-    assert status(local_server).pid == before
+    assert status(local_neo4j).pid == before
 
 
-def test_the_cli_status_names_uri_pid_and_version(local_server):
+def test_the_cli_status_names_uri_pid_and_version(local_neo4j):
     done = subprocess.run([sys.executable, "-m", "headgraph", "neo4j", "status"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     fields = dict(line.split(None, 1) for line in done.stdout.splitlines())
-    assert fields["uri"] == local_server.uri
-    assert int(fields["pid"]) == status(local_server).pid
+    assert fields["uri"] == local_neo4j.uri
+    assert int(fields["pid"]) == status(local_neo4j).pid
     assert fields["version"].startswith("Neo4j/5.26.")
 
 
-def test_a_wrong_password_is_refused_and_reported_in_one_line(local_server):
-    wrong = LocalServer(local_server.home, local_server.bolt_port, local_server.http_port,
-                        local_server.assets_port, password="not-the-password")  # fmt: skip
+def test_a_wrong_password_is_refused_and_reported_in_one_line(local_neo4j):
+    wrong = LocalServer(local_neo4j.home, local_neo4j.bolt_port, local_neo4j.http_port,
+                        local_neo4j.assets_port, password="not-the-password")  # fmt: skip
     with pytest.raises(AuthError):
         server_version(wrong)
     with pytest.raises(StoreUnavailable, match="NEO4J_PASSWORD") as caught:
         status(wrong)
     assert "\n" not in str(caught.value)
-    assert server_version(local_server).startswith("Neo4j/")  # a good login clears the failed-attempt counter
+    assert server_version(local_neo4j).startswith("Neo4j/")  # a good login clears the failed-attempt counter
 
 
-def test_an_assembled_home_is_reused_without_maven(local_server, monkeypatch, tmp_path):
+def test_an_assembled_home_is_reused_without_maven(local_neo4j, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no mvn (nor anything else) on PATH
-    recorded = json.loads((local_server.home / "assembled.json").read_text())["neo4j"]
-    assert assemble(local_server) == recorded
-    assert (local_server.lib / f"neo4j-{recorded}.jar").is_file()
+    recorded = json.loads((local_neo4j.home / "assembled.json").read_text())["neo4j"]
+    assert assemble(local_neo4j) == recorded
+    assert (local_neo4j.lib / f"neo4j-{recorded}.jar").is_file()
 
 
 def _fake_assembled_home(home: Path) -> None:
