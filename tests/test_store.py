@@ -189,6 +189,9 @@ def test_role_results_become_head_properties(store, tables):
         {"run": run_id},
     ).rows
     assert rows == [["L0H1", 4.5]]
+    store.set_head_properties(run_id, pd.DataFrame({"name": ["L0H1"], "induction_score": [np.nan], "induction_p": [np.nan]}))
+    cleared = "MATCH (h:Head) WHERE h.key = $key RETURN h.induction_score, h.induction_p, h.induction_sig"
+    assert store.read(cleared, {"key": f"{run_id}/L0H1"}).rows == [[None, None, True]]
     with pytest.raises(UsageError):
         store.set_head_properties(run_id, pd.DataFrame({"name": ["L0H1"], "not a column": [1]}))
 

@@ -18,7 +18,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -262,15 +262,19 @@ class GraphStore(ABC):
             self._complete_run(run_id, len(graph.heads), len(graph.edges))
         except BaseException:
             if cleanup_on_error:
-                self.delete_run(run_id, batch_size)
+                with suppress(Exception):  # e.g. the connection is gone: the next load of this id cleans up
+                    self.delete_run(run_id, batch_size)
             raise
 
     def _begin_run(self, run: Mapping[str, Any], model: Mapping[str, Any]) -> None:
         run_row = _present({name: run.get(name) for name in RUN_PROPERTIES} | {"status": "loading"})
         model_row = _present({name: model.get(name) for name in MODEL_PROPERTIES})
-        model_update = [
-            (f"UNWIND $rows AS row MATCH (m:Model {{name: row.name}}) SET {_set_list('m', 'row', model_row, skip='name')}", {"rows": [model_row]})
-        ] if len(model_row) > 1 else []
+        described = [n for n in model_row if n != "name"]
+        model_update = (
+            [(f"UNWIND $rows AS row MATCH (m:Model {{name: row.name}}) SET {_set_list('m', 'row', described)}", {"rows": [model_row]})]
+            if described
+            else []
+        )
         self._write(
             [
                 ("MERGE (:Model {name: $name})", {"name": model_row["name"]}),
@@ -313,9 +317,12 @@ class GraphStore(ABC):
         props = [c for c in values.columns if c != "name"]
         self.ensure_schema(extra_head_properties(props))
         keyed = values.assign(key=run_id + "/" + values["name"].astype(str))[["key", *props]]
-        cypher = f"UNWIND $rows AS row MATCH (h:Head {{key: row.key}}) SET {_set_list('h', 'row', props)}"
         for part in batches(keyed, batch_size):
-            self._write([(cypher, {"rows": records(part)})])
+            present = [p for p in props if part[p].notna().any()]
+            cleared = ", ".join(f"h.{p} = NULL" for p in props if p not in present)
+            assignments = ", ".join(a for a in (_set_list("h", "row", present), cleared) if a)
+            cypher = f"UNWIND $rows AS row MATCH (h:Head {{key: row.key}}) SET {assignments}"
+            self._write([(cypher, {"rows": records(part[["key", *present]])})])
 
     # --- reading -------------------------------------------------------------------------------------
 
@@ -329,8 +336,8 @@ class GraphStore(ABC):
         return rows[0][0] if rows else None
 
 
-def _set_list(variable: str, source: str, names, skip: str | None = None) -> str:
-    return ", ".join(f"{variable}.{n} = {source}.{n}" for n in names if n != skip)
+def _set_list(variable: str, source: str, names) -> str:
+    return ", ".join(f"{variable}.{n} = {source}.{n}" for n in names)
 
 
 @contextmanager
