@@ -13,7 +13,7 @@ import pytest
 from _pairs import HUB, planted_pairs
 from click.testing import CliRunner
 
-from headgraph.analysis.centrality import MEASURES, hub_report
+from headgraph.analysis.centrality import hub_report
 from headgraph.cli import cli, main
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
 from headgraph.loader.graph import SelectionPolicy, build_run_graph
@@ -101,7 +101,7 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     graph = build_run_graph(result.pairs, result.heads, {**result.run, "id": run_id}, SelectionPolicy(top_k=5))
     load(store, graph)
     assert [r["head"] for r in run_named(store, "hubs", {"run": run_id, "limit": "1"}).records()][:1] == [truth.hub]
-    report = hub_report(graph.heads[["name", *MEASURES]], graph.edges)
+    report = hub_report(graph.heads, graph.edges)
     assert report["hubs"][0]["head"] == truth.hub
     top = {(r["source"], r["target"], r["kind"]) for r in run_named(store, "top-edges", {"run": run_id, "limit": "2"}).records()}
     assert {(s, t, kind) for s, t, kind, _ in truth.edges} <= top

@@ -131,6 +131,8 @@ class LadybugStore(GraphStore):
             self._conn = None
 
     def ensure_schema(self, extra_head_properties: Mapping[str, str] | None = None) -> None:
+        if self.read_only:
+            raise ReadOnlyViolation(f"{self.description} is open read-only; writes are refused")
         if not self._head_columns:
             for statement in schema_ddl():
                 self._conn.execute(statement)
@@ -183,6 +185,7 @@ class LadybugStore(GraphStore):
         self._write([(f"COPY {check_kind(kind)} FROM $rows", {"rows": table})])
 
     def load_run(self, graph, *args, **kwargs) -> None:
+        """GraphStore.load_run, then one checkpoint (automatic ones are off, see _open_database)."""
         try:
             super().load_run(graph, *args, **kwargs)
         finally:
