@@ -109,6 +109,18 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     assert (run["model"], run["processing"], run["types"]) == (result.run["model"]["name"], "tl", ["OQ", "OK", "OV"])
 
 
+@pytest.mark.neo4j
+def test_neo4j_heads_carry_a_layer_label_for_browser(neo4j_config, tables):
+    run_id = new_run_id()
+    with open_store(neo4j=neo4j_config["uri"], user=neo4j_config["user"], password=neo4j_config["password"]) as store:
+        try:
+            load(store, graph_of(tables, run_id))
+            rows = store.read("MATCH (h:Head:Layer2) WHERE h.run_id = $run RETURN h.layer, count(h)", {"run": run_id}).rows
+        finally:
+            store.delete_run(run_id)
+    assert rows == [[2, 4]]
+
+
 def test_reloading_a_run_leaves_one_copy(store, tables):
     run_id = new_run_id()
     graph = graph_of(tables, run_id)

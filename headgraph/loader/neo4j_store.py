@@ -67,7 +67,9 @@ def _plain(value: Any) -> Any:
 
 
 class Neo4jStore(GraphStore):
-    """A Neo4j database reached over Bolt."""
+    """A Neo4j database reached over Bolt. Head nodes also get a `Layer<l>` label (Browser colours by it)."""
+
+    head_label_clause = " SET h:$('Layer' + toString(row.layer))"
 
     def __init__(self, uri: str, user: str, password: str, database: str = "neo4j", read_only: bool = False):
         self.uri, self.database, self.read_only = uri, database, read_only

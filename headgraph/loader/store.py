@@ -200,6 +200,8 @@ class GraphStore(ABC):
     """A graph store holding runs of the head graph; use as a context manager."""
 
     description: str = ""
+    head_label_clause: str = ""
+    """Appended to the Head CREATE (variables h, row): extra labels where the store supports them."""
 
     def __enter__(self) -> GraphStore:
         return self
@@ -289,7 +291,7 @@ class GraphStore(ABC):
 
     def _write_heads(self, heads: pd.DataFrame) -> None:
         names = [c for c in heads.columns if heads[c].notna().any()]
-        cypher = f"UNWIND $rows AS row CREATE (:Head {_property_map('row', names)})"
+        cypher = f"UNWIND $rows AS row CREATE (h:Head {_property_map('row', names)}){self.head_label_clause}"
         self._write([(cypher, {"rows": records(heads[names])})])
 
     def _write_edges(self, kind: str, edges: pd.DataFrame) -> None:
