@@ -399,9 +399,9 @@ class StoreSpec:
 def store_options(command: Callable) -> Callable:
     """Click options --db / --neo4j / --neo4j-user, passed to the command as one `store: StoreSpec`."""
 
-    @click.option("--neo4j-user", default=None, metavar="USER", help="Neo4j user (env NEO4J_USER, default neo4j); password from env NEO4J_PASSWORD.")
-    @click.option("--neo4j", "neo4j", default=None, metavar="URI", help="Use a Neo4j server, e.g. bolt://127.0.0.1:7687 (env NEO4J_URI).")
     @click.option("--db", default=None, metavar="PATH", help=f"Embedded LadybugDB store (env HEADGRAPH_DB, default {DEFAULT_DB}).")
+    @click.option("--neo4j", "neo4j", default=None, metavar="URI", help="Use a Neo4j server, e.g. bolt://127.0.0.1:7687 (env NEO4J_URI).")
+    @click.option("--neo4j-user", default=None, metavar="USER", help="Neo4j user (env NEO4J_USER, default neo4j); password from env NEO4J_PASSWORD.")
     @functools.wraps(command)
     def wrapper(*args, db, neo4j, neo4j_user, **kwargs):
         return command(*args, store=StoreSpec(db, neo4j, neo4j_user), **kwargs)
