@@ -61,7 +61,9 @@ POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   <packaging>pom</packaging>
   <dependencies>
     <dependency><groupId>org.neo4j</groupId><artifactId>neo4j</artifactId><version>{neo4j}</version></dependency>
-    <dependency><groupId>org.neo4j.client</groupId><artifactId>neo4j-browser</artifactId><version>{browser}</version></dependency>
+    <dependency>
+      <groupId>org.neo4j.client</groupId><artifactId>neo4j-browser</artifactId><version>{browser}</version>
+    </dependency>
   </dependencies>
 </project>
 """
@@ -167,10 +169,14 @@ def assemble(server: LocalServer) -> str:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-        raise StoreUnavailable(f"assembling Neo4j from Maven Central failed ({last[0]}); check access to repo1.maven.org")
+        raise StoreUnavailable(
+            f"assembling Neo4j from Maven Central failed ({last[0]}); check access to repo1.maven.org"
+        )
     version = next((m.group(1) for p in staging.iterdir() if (m := _SERVER_JAR.match(p.name))), None)
     if version is None:
-        raise StoreUnavailable(f"Maven resolved no neo4j-5.26.x server jar into {staging}; remove {server.home} and retry")
+        raise StoreUnavailable(
+            f"Maven resolved no neo4j-5.26.x server jar into {staging}; remove {server.home} and retry"
+        )
     shutil.rmtree(server.lib, ignore_errors=True)
     staging.rename(server.lib)
     for folder in ("conf", "data", "logs", "run", "plugins", "import"):

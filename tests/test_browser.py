@@ -137,7 +137,8 @@ def test_the_assets_server_hands_browser_the_two_files_with_cors(assets_server):
     )  # fmt: skip
     with urllib.request.urlopen(preflight) as response:
         assert response.status == 204
-        assert {"pragma", "cache-control"} <= {h.strip() for h in response.headers["Access-Control-Allow-Headers"].split(",")}
+        allowed = {h.strip() for h in response.headers["Access-Control-Allow-Headers"].split(",")}
+        assert {"pragma", "cache-control"} <= allowed
 
 
 @pytest.mark.parametrize("path", ["/assets_server.py", "/__init__.py", "/../neo4j_local.py", "/"])
@@ -151,8 +152,11 @@ def test_the_assets_server_serves_nothing_else(assets_server, path):
 def planted_run(local_neo4j):
     """A complete run written straight through Bolt into the local server: (driver, run id)."""
     run_id = f"browser-{uuid.uuid4().hex[:12]}"
-    heads = [{"name": n, "layer": _layer_head(n)[0], "head": _layer_head(n)[1],
-              "identity_sig": n in IDENTITY, "identity_score": IDENTITY.get(n, 0.0)} for n in planted_graph()]  # fmt: skip
+    heads = [
+        {"name": n, "layer": _layer_head(n)[0], "head": _layer_head(n)[1],
+         "identity_sig": n in IDENTITY, "identity_score": IDENTITY.get(n, 0.0)}
+        for n in planted_graph()
+    ]  # fmt: skip
     edges = [{"source": s, "target": t, "kind": k, "rank": r, "pk": 1.0 - r / 10} for s, t, k, r in PLANTED_EDGES]
     driver = neo4j.GraphDatabase.driver(local_neo4j.uri, auth=(local_neo4j.user, local_neo4j.password))
     write = """
@@ -164,7 +168,8 @@ def planted_run(local_neo4j):
         SET h:$('Layer' + toString(row.layer))
         WITH count(*) AS created UNWIND $edges AS e
         MATCH (a:Head {key: $run + '/' + e.source}), (b:Head {key: $run + '/' + e.target})
-        CREATE (a)-[:$(e.kind) {kind: e.kind, rank: e.rank, pk: e.pk, run_id: $run, source: e.source, target: e.target}]->(b)
+        CREATE (a)-[:$(e.kind) {kind: e.kind, rank: e.rank, pk: e.pk, run_id: $run,
+                                source: e.source, target: e.target}]->(b)
     """
     driver.execute_query(write, run=run_id, heads=heads, edges=edges, database_="neo4j")
     yield driver, run_id
@@ -266,7 +271,21 @@ def _wait_for(browser, condition, what: str, timeout: float = 90):
     except TimeoutException:
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "browser-failure.png"))
-        pytest.fail(f"Neo4j Browser: timed out after {timeout} s waiting for {what} (test-artifacts/browser-failure.png)")
+        pytest.fail(f"Neo4j Browser: no {what} after {timeout} s (screenshot: test-artifacts/browser-failure.png)")
+
+
+def _frame_text(browser, command: str) -> str:
+    """The text of the newest frame that ran `command`, or "" while there is none."""
+    frame = _frames_by_command(browser).get(command)
+    return frame.text if frame is not None else ""
+
+
+def _drawn_nodes(browser, command: str) -> list:
+    """The graph nodes (<g class="node">) drawn in the frame that ran `command`."""
+    from selenium.webdriver.common.by import By
+
+    frame = _frames_by_command(browser).get(command)
+    return frame.find_elements(By.CSS_SELECTOR, "g.node") if frame is not None else []
 
 
 def test_browser_shows_the_planted_hub_with_headgraph_style(planted_run, local_neo4j, chromium):
@@ -274,26 +293,23 @@ def test_browser_shows_the_planted_hub_with_headgraph_style(planted_run, local_n
 
     _, run_id = planted_run
     chromium.get(local_neo4j.browser_url)
-    password = _wait_for(chromium, lambda b: b.find_element(By.CSS_SELECTOR, "[data-testid=password]"), "the login form")
+    password = _wait_for(chromium, lambda b: b.find_element(By.CSS_SELECTOR, "[data-testid=password]"), "login form")
     chromium.find_element(By.CSS_SELECTOR, "[data-testid=username]").send_keys(local_neo4j.user)
     password.send_keys(local_neo4j.password)
     chromium.find_element(By.CSS_SELECTOR, "[data-testid=connect]").click()
 
     # browser.post_connect_cmd: the style and the guide come from the assets server on connect
     style_cmd, play_cmd = f":style {local_neo4j.assets_url}/style.grass", f":play {local_neo4j.assets_url}/guide.html"
-    _wait_for(chromium, lambda b: {style_cmd, play_cmd} <= set(_frames_by_command(b)), "the post-connect frames")
-    guide_title = "headgraph: the head graph of a run"
-    _wait_for(chromium, lambda b: guide_title in _frames_by_command(b)[play_cmd].text, "the guide's first slide")
+    _wait_for(chromium, lambda b: "node.Head" in _frame_text(b, style_cmd), ":style frame")
+    _wait_for(chromium, lambda b: "headgraph: the head graph of a run" in _frame_text(b, play_cmd), "guide frame")
 
     set_run = f":param run => '{run_id}'"
     _run_in_editor(chromium, set_run)
-    _wait_for(chromium, lambda b: "Successfully set your parameters" in getattr(_frames_by_command(b).get(set_run), "text", ""),
-              "the run parameter")
+    _wait_for(chromium, lambda b: "Successfully set your parameters" in _frame_text(b, set_run), "run parameter")
     query = guide_blocks()["hubs-graph"]
     _run_in_editor(chromium, query)
     command = " ".join(query.split())
-    _wait_for(chromium, lambda b: command in (f := _frames_by_command(b)) and f[command].find_elements(By.CSS_SELECTOR, "g.node"),
-              "the hubs graph")
+    _wait_for(chromium, lambda b: _drawn_nodes(b, command), "hubs graph")
     frame = _frames_by_command(chromium)[command]
     time.sleep(2)  # let the force layout settle for the screenshot
     ARTIFACTS.mkdir(exist_ok=True)
@@ -303,13 +319,13 @@ def test_browser_shows_the_planted_hub_with_headgraph_style(planted_run, local_n
     graph = planted_graph()
     top5 = hubs_by_degree(graph)[:5]
     expected = set(top5) | {n for hub in top5 for n in nx.all_neighbors(graph, hub)}
-    nodes = {g.find_element(By.CSS_SELECTOR, "text.caption").text.strip(): g
-             for g in frame.find_elements(By.CSS_SELECTOR, "g.node")}  # fmt: skip
+    nodes = {g.find_element(By.CSS_SELECTOR, "text.caption").text.strip(): g for g in _drawn_nodes(chromium, command)}
     assert set(nodes) == expected
     assert f"Head ({len(expected)})" in frame.text
     rules = grass_rules((BROWSER_DIR / "style.grass").read_text())
     hub_fill = nodes[HUB].find_element(By.CSS_SELECTOR, "circle.b-outline").get_attribute("fill")
     assert hub_fill.lower() == rules["node.Layer0"]["color"].lower()
-    edge_fills = {(g.find_element(By.TAG_NAME, "text").text, g.find_element(By.CSS_SELECTOR, "path.b-outline").get_attribute("fill"))
-                  for g in frame.find_elements(By.CSS_SELECTOR, "g.relationship")}  # fmt: skip
+    edges = frame.find_elements(By.CSS_SELECTOR, "g.relationship")
+    edge_fills = {(g.find_element(By.TAG_NAME, "text").text,
+                   g.find_element(By.CSS_SELECTOR, "path.b-outline").get_attribute("fill")) for g in edges}  # fmt: skip
     assert edge_fills == {(k, TYPE_COLORS[k]) for _, _, k, _ in PLANTED_EDGES}
