@@ -33,10 +33,15 @@ def parse_memory_size(ctx, param, value):
     return int(float(match[1]) * _SIZE_UNITS[match[2]])
 
 
+CLASSES_OPTION = click.option(
+    "--classes", "classes_name", default=None, metavar="NAME|FILE",
+    help="Known head classes to colour and count: ioi, pk-paper or a JSON file (default: pk-paper for gpt2).")
+
+
 @cli.command("analyze")
 @click.argument("model")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Folder for run.json, pairs.parquet and heads.parquet.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Run folder for run.json, pairs/heads.parquet, figures and report (default: runs/<run id>).")
 @click.option("--types", default="oq,ok,ov", show_default=True,
               help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
 @click.option("--processing", type=click.Choice(["tl", "raw"]), default="tl", show_default=True,
@@ -44,7 +49,7 @@ def parse_memory_size(ctx, param, value):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="torch device (default: cuda when present, else cpu).")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the reference and null samplers.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
 @click.option("--max-memory", default="2GiB", show_default=True, callback=parse_memory_size,
               help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
 @click.option("--full-matrix", is_flag=True,
@@ -53,43 +58,40 @@ def parse_memory_size(ctx, param, value):
               help="Random heads per type of the model-matched null (its n^2 pairs give p_model).")
 @click.option("--reference-samples", default=100_000, show_default=True, type=click.IntRange(min=100),
               help="Samples of the isotropic reference distribution (for the KL matrix).")
+@click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
+@click.option("--n-inputs", default=200, show_default=True, type=click.IntRange(min=2),
+              help="Generated inputs per input set of the role tests.")
+@click.option("--correction", type=click.Choice(["none", "bh", "bonferroni"]), default="bh", show_default=True,
+              help="Multiple-testing correction of the role tests across heads.")
+@CLASSES_OPTION
+@selection_options
+@click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
+@click.option("--no-report", is_flag=True, help="Skip the figures and report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@store_options
 def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
-                    reference_samples):
-    """Projection Kernel between all head subspaces of MODEL, with references, significance and CS."""
+                    reference_samples, roles, n_inputs, correction, classes_name, policy, no_store, no_report,
+                    as_json, store):
+    """Whole pipeline on MODEL (hub name, local folder, or all-MiniLM-L6-v2 offline): PK with references and
+    significance, Composition Score, roles, graph selection and centrality, store, report."""
+    import json
+
     from rich.console import Console
-    from rich.table import Table
 
-    from headgraph.analysis.artifacts import write_artifacts
-    from headgraph.analysis.subspaces import WEIGHT_TYPES
-    from headgraph.loader.models import load_model
-    from headgraph.pipeline import analyze, parse_types, resolve_device
+    from headgraph.summary import print_summary, summary_data
+    from headgraph.workflow import ROLE_DEFAULTS, AnalyzeOptions, run_analyze
 
-    type_pairs = parse_types(types)
-    device = resolve_device(device)
-    loaded = load_model(model, processing=processing, device=device)
-    result = analyze(loaded, type_pairs, full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
-                     max_memory=max_memory, null_heads=null_heads, reference_samples=reference_samples)
-    folder = write_artifacts(result, out_dir)
-    run = result.run
-    console = Console()
-    console.print(f"{loaded.name} (processing {processing}, {run['device']}, {run['dtype']})")
-    kl = Table(title="KL(random || observed), nats", caption="rows: source, columns: target; - not computed")
-    kl.add_column("")
-    for t in WEIGHT_TYPES:
-        kl.add_column(t, justify="right")
-    for t, row in zip(WEIGHT_TYPES, run["kl"]["matrix"]):
-        kl.add_row(t, *("-" if v is None else f"{v:.3f}" for v in row))
-    console.print(kl)
-    means = Table(title="PK per type pair", caption="isotropic mean k·k'/d = "
-                  + ", ".join(f"{m['mean']:.3f} (k={m['k']}, k'={m['k_prime']})"
-                              for m in run["reference"]["moments"].values()))
-    for column in ("type", "pairs", "mean PK", "q_model < 0.05"):
-        means.add_column(column, justify="right")
-    for tp in run["types"]:
-        means.add_row(tp, str(run["n_pairs"].get(tp, 0)), f"{run['mean_pk'].get(tp, float('nan')):.3f}",
-                      f"{run['fraction_q_model_below_0.05'].get(tp, float('nan')):.1%}")
-    console.print(means)
-    console.print(f"wrote {folder} ({len(result.pairs)} pairs, {sum(run['timings_s'].values()):.1f} s)")
+    options = AnalyzeOptions(
+        out_dir=out_dir, types=types, processing=processing, device=device, dtype=dtype, seed=seed,
+        max_memory=max_memory, full_matrix=full_matrix, null_heads=null_heads, reference_samples=reference_samples,
+        roles=roles, role_options={**ROLE_DEFAULTS, "n_inputs": n_inputs, "correction": correction},
+        policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report)
+    outcome = run_analyze(model, options, console=Console(stderr=True))
+    data = summary_data(outcome)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        print_summary(data, Console())
 
 
 FORMAT_OPTION = click.option(
@@ -273,11 +275,6 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
         table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r))
     console.print(table)
     console.print(f"classes: {classes.source}")
-
-
-CLASSES_OPTION = click.option(
-    "--classes", "classes_name", default=None, metavar="NAME|FILE",
-    help="Known head classes to colour and count: ioi, pk-paper or a JSON file (default: pk-paper for gpt2).")
 
 
 @cli.command("report")

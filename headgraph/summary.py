@@ -1,0 +1,74 @@
+"""The closing summary of `headgraph analyze`: a rich table for people, a JSON object for programs."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from headgraph.analysis.subspaces import WEIGHT_TYPES
+from headgraph.workflow import AnalyzeOutcome
+
+
+def significant_roles(heads, head: str) -> list[str]:
+    """Names of the roles whose test is significant for `head` (columns `<role>_sig`)."""
+    row = heads.loc[heads["head"] == head]
+    if row.empty:
+        return []
+    sig = [c for c in heads.columns if c.endswith("_sig")]
+    return [c[: -len("_sig")] for c in sig if bool(row.iloc[0][c])]
+
+
+def summary_data(outcome: AnalyzeOutcome, top_hubs: int = 5) -> dict:
+    """Everything the summary shows, as plain JSON-able data."""
+    run, heads = outcome.result.run, outcome.result.heads
+    per_type = outcome.edges.groupby("kind").size().to_dict() if len(outcome.edges) else {}
+    return {
+        "run_id": outcome.run_id,
+        "model": run["model"]["name"],
+        "dims": run["dims"],
+        "processing": run["processing"],
+        "device": run["device"],
+        "dtype": run["dtype"],
+        "heads": int(len(heads)),
+        "pairs": run["n_pairs"],
+        "selection": run.get("selection"),
+        "edges": {tp: int(per_type.get(tp, 0)) for tp in run["types"]},
+        "mean_pk": run["mean_pk"],
+        "kl": {s + t: v for s, row in zip(WEIGHT_TYPES, run["kl"]["matrix"]) for t, v in zip(WEIGHT_TYPES, row)
+               if s + t in run["types"]},
+        "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
+                  "roles": significant_roles(heads, h["head"])} for h in outcome.hubs["hubs"][:top_hubs]],
+        "folder": str(outcome.folder),
+        "store": outcome.store,
+        "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},
+    }
+
+
+def print_summary(data: dict, console: Console) -> None:
+    """The summary as tables: run, per-type edges / mean PK / KL, top hubs with roles, where results went."""
+    dims = data["dims"]
+    head = Table(title=f"headgraph run {data['run_id']}", show_header=False)
+    head.add_row("model", f"{data['model']} ({dims['n_layers']} layers x {dims['n_heads']} heads, "
+                          f"d_model {dims['d_model']}, d_head {dims['d_head']})")
+    head.add_row("settings", f"processing {data['processing']}, {data['device']}, {data['dtype']}")
+    head.add_row("graph", f"{data['selection']}")
+    console.print(head)
+    types = Table(title="per weight-pair type", caption="KL(random || observed) in nats; mean PK vs the "
+                  "isotropic mean k·k'/d")
+    for column in ("type", "pairs", "edges", "mean PK", "KL"):
+        types.add_column(column, justify="right")
+    for tp, n_edges in data["edges"].items():
+        kl = data["kl"].get(tp)
+        types.add_row(tp, str(data["pairs"].get(tp, 0)), str(n_edges), f"{data['mean_pk'].get(tp, float('nan')):.3f}",
+                      "-" if kl is None else f"{kl:.3f}")
+    console.print(types)
+    hubs = Table(title="top hubs (selected graph)")
+    for column in ("head", "degree", "PageRank", "significant roles"):
+        hubs.add_column(column)
+    for hub in data["hubs"]:
+        hubs.add_row(hub["head"], str(hub["degree"]), f"{hub['pagerank']:.3f}", ", ".join(hub["roles"]) or "-")
+    console.print(hubs)
+    console.print(f"artifacts: {data['folder']}")
+    console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
+    for name, path in data["report"].items():
+        console.print(f"{name}: {path}")

@@ -1,0 +1,127 @@
+"""The whole `headgraph analyze` flow, one step after another:
+load -> subspaces / PK / references / significance / CS -> roles -> artifacts -> graph selection and
+centrality -> store -> report. Each step is a library call; this module only orders them and records where the
+results went."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from headgraph.analysis.artifacts import AnalysisResult, write_artifacts
+from headgraph.analysis.centrality import head_centrality, hub_report
+from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run
+from headgraph.loader.store import StoreSpec
+
+ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
+
+
+@dataclass
+class AnalyzeOptions:
+    """What `headgraph analyze` was asked to do, besides which model."""
+
+    out_dir: str | None = None
+    types: tuple[str, ...] = ("OQ", "OK", "OV")
+    processing: str = "tl"
+    device: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    max_memory: int = 2 << 30
+    full_matrix: bool = False
+    null_heads: int = 200
+    reference_samples: int = 100_000
+    roles: bool = True
+    role_options: dict = field(default_factory=lambda: dict(ROLE_DEFAULTS))
+    policy: SelectionPolicy = field(default_factory=SelectionPolicy)
+    classes: str | None = None
+    store: StoreSpec | None = field(default_factory=StoreSpec)
+    report: bool = True
+
+
+@dataclass
+class AnalyzeOutcome:
+    """A finished analyze: the result tables, the selected graph's hubs, and where everything went."""
+
+    run_id: str
+    folder: Path
+    result: AnalysisResult
+    edges: pd.DataFrame
+    hubs: dict
+    store: str | None
+    report: dict[str, Path]
+
+
+def new_run_id(model_name: str) -> str:
+    """`<model>-<UTC time>-<4 hex>`: readable, sortable, unique."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name.split("/")[-1]).strip("-") or "run"
+    return f"{slug}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    return Progress(*columns, console=console, disable=not enabled, transient=False)
+
+
+def _check_store(spec: StoreSpec) -> str:
+    """Open and close the chosen store before any long computation, so a bad URI or password fails at once."""
+    with spec.open() as store:
+        return store.description
+
+
+def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress: Progress) -> None:
+    from headgraph.analysis.roles import compute_roles
+
+    roles, meta = compute_roles(model, seed=options.seed, progress=progress, **options.role_options)
+    result.heads = result.heads.merge(roles, on=["head", "layer", "index"], how="left", validate="one_to_one")
+    result.run["roles"] = meta
+
+
+def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | None = None,
+                progress: bool = True) -> AnalyzeOutcome:
+    """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
+    from headgraph.analysis.classes import load_classes
+    from headgraph.loader.models import load_model
+    from headgraph.pipeline import analyze, parse_types, resolve_device
+    from headgraph.report import default_classes, render_report
+
+    console = console or Console(stderr=True)
+    types, device = parse_types(options.types), resolve_device(options.device)
+    classes = load_classes(options.classes) if options.classes else default_classes(model_name)
+    store_description = _check_store(options.store) if options.store is not None else None
+
+    with console.status(f"loading {model_name}"):
+        model = load_model(model_name, processing=options.processing, device=device)
+    result = analyze(model, types, full_matrix=options.full_matrix, device=device, dtype=options.dtype,
+                     seed=options.seed, max_memory=options.max_memory, null_heads=options.null_heads,
+                     reference_samples=options.reference_samples, console=console, progress=progress)
+    run_id = new_run_id(model.name)
+    folder = Path(options.out_dir or Path("runs") / run_id)
+    result.run.update(id=run_id, out_dir=str(folder.resolve()), selection=options.policy.describe())
+    with _progress(console, progress) as bar:
+        if options.roles:
+            _add_roles(result, model, options, bar)
+        write_artifacts(result, folder)
+        edges = select_edges(result.pairs, options.policy)
+        hubs = hub_report(head_centrality(edges, result.heads["head"].tolist()), edges)
+        if options.store is not None:
+            task = bar.add_task(f"storing {len(edges)} edges in {store_description}", total=1)
+            with options.store.open() as store:
+                store_run(store, result.pairs, result.heads, result.run, options.policy,
+                          classes=class_labels(classes) if classes is not None else None, progress=False)
+            bar.advance(task)
+        paths = {}
+        if options.report:
+            from headgraph.report import FIGURE_COUNT
+
+            task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
+            paths = render_report(folder, policy=options.policy, classes=classes,
+                                  advance=lambda: bar.advance(task))
+    return AnalyzeOutcome(run_id, folder, result, edges, hubs, store_description, paths)
