@@ -25,6 +25,7 @@ from headgraph.errors import UsageError
 from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
     EDGE_PROPERTIES,
+    EXTRA_HEAD_SUFFIXES,
     HEAD_PROPERTIES,
     MODEL_PROPERTIES,
     GraphStore,
@@ -34,7 +35,7 @@ from headgraph.loader.store import (
 
 DEFAULT_TOP_K = 20
 PAIR_COLUMNS = ("source", "target", "source_layer", "target_layer", "source_type", "target_type", "pk")
-_ROLE_COLUMN = re.compile(r"^[a-z][a-z0-9_]*_(score|p|sig)$")
+_ROLE_COLUMN = re.compile(r"^[a-z][a-z0-9_]*(" + "|".join(EXTRA_HEAD_SUFFIXES) + ")$")
 
 
 @dataclass(frozen=True)

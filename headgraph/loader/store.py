@@ -112,8 +112,8 @@ EDGE_PROPERTIES = {
 }
 """Edges carry their endpoints' names and layers so queries never need startNode() (LadybugDB lacks it)."""
 
-EXTRA_HEAD_SUFFIXES = {"_score": "DOUBLE", "_p": "DOUBLE", "_sig": "BOOLEAN"}
-"""Role results added later (`<role>_score`, `<role>_p`, `<role>_sig`) become Head properties of these types."""
+EXTRA_HEAD_SUFFIXES = {"_score": "DOUBLE", "_bias": "DOUBLE", "_p": "DOUBLE", "_sig": "BOOLEAN"}
+"""Role results added later (`<role>_score`, `<role>_bias`, `<role>_p`, `<role>_sig`) become Head properties of these types."""
 
 _IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
