@@ -88,13 +88,14 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
                 progress: bool = True) -> AnalyzeOutcome:
     """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
     from headgraph.analysis.classes import load_classes
-    from headgraph.loader.models import load_model
+    from headgraph.loader.models import load_model, resolve_model
     from headgraph.pipeline import analyze, parse_types, resolve_device
     from headgraph.report import default_classes, render_report
 
     console = console or Console(stderr=True)
     types, device = parse_types(options.types), resolve_device(options.device)
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
+    resolve_model(model_name)  # an unknown model fails here, before the store is touched
     store_description = _check_store(options.store) if options.store is not None else None
 
     with console.status(f"loading {model_name}"):

@@ -1,0 +1,92 @@
+"""The whole `headgraph analyze` flow through the CLI, on a planted model stored in the embedded LadybugDB:
+the planted hub leads the summary and the stored graph, planted roles reach the Head nodes, the report is
+written, and bad input stops before any work with one line and a non-zero exit code."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+FAST = ["--top-k", "5", "--n-inputs", "20", "--reference-samples", "2000"]
+
+
+def headgraph(*args, env=None):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("NEO4J_", "HEADGRAPH_"))}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "headgraph", *args], capture_output=True, text=True,
+                          env=environment, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def analyzed(planted, tmp_path_factory):
+    path, truth = planted
+    work = tmp_path_factory.mktemp("workflow")
+    db, out = work / "graph.lbdb", work / "run"
+    done = headgraph("analyze", str(path), "--db", str(db), "--out", str(out), "--json", *FAST)
+    assert done.returncode == 0, done.stderr
+    return truth, db, out, json.loads(done.stdout)
+
+
+def test_summary_puts_the_planted_hub_first(analyzed):
+    truth, _, out, summary = analyzed
+    assert summary["hubs"][0]["head"] == truth.hub
+    assert summary["edges"] == {"OQ": 5, "OK": 5, "OV": 5}
+    assert summary["folder"] == str(out)
+
+
+def test_stored_graph_answers_the_hubs_query(analyzed):
+    truth, db, _, summary = analyzed
+    done = headgraph("query", "hubs", "--db", str(db), "--run", summary["run_id"], "--format", "json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert rows[0]["head"] == truth.hub
+    planted_out = {e[2] for e in truth.edges if e[0] == truth.hub}
+    assert {r["kind"] for r in rows if r["head"] == truth.hub and r["kind_out"] > 0} >= planted_out
+
+
+def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
+    truth, db, out, summary = analyzed
+    heads = pd.read_parquet(out / "heads.parquet").set_index("head")
+    assert set(heads.index[heads["identity_sig"]]) == set(truth.identity_heads)
+    assert set(heads.index[heads["previous_token_sig"]]) == set(truth.previous_token_heads)
+    done = headgraph("cypher", "MATCH (h:Head) WHERE h.run_id = $run AND h.identity_sig = true RETURN h.name AS name "
+                     "ORDER BY name", "--param", f"run={summary['run_id']}", "--db", str(db), "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert [r["name"] for r in json.loads(done.stdout)] == sorted(truth.identity_heads)
+
+
+def test_report_and_figures_are_written(analyzed):
+    _, _, out, summary = analyzed
+    for stem in ("pk_distributions", "kl_heatmap", "pk_vs_cs", "topk_graph", "roles", "hubs"):
+        assert (out / f"fig_{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / f"fig_{stem}.svg").stat().st_size > 0
+    assert summary["run_id"] in (out / "report.md").read_text() or summary["model"] in (out / "report.md").read_text()
+    assert json.loads((out / "run.json").read_text())["id"] == summary["run_id"]
+
+
+def test_unreachable_neo4j_fails_before_any_work(planted, tmp_path):
+    path, _ = planted
+    done = headgraph("analyze", str(path), "--neo4j", "bolt://127.0.0.1:1", "--out", str(tmp_path / "run"), *FAST)
+    assert done.returncode == 3
+    assert done.stderr.strip().count("\n") == 0 and "cannot reach Neo4j at bolt://127.0.0.1:1" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_wrong_neo4j_password_fails_with_one_line(planted, neo4j_config, tmp_path):
+    path, _ = planted
+    done = headgraph("analyze", str(path), "--neo4j", neo4j_config["uri"], "--out", str(tmp_path / "run"), *FAST,
+                     env={"NEO4J_USER": neo4j_config["user"], "NEO4J_PASSWORD": "not-the-password"})
+    assert done.returncode == 3
+    assert done.stderr.strip().count("\n") == 0 and "refused user" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_model_is_one_line_exit_2(tmp_path):
+    done = headgraph("analyze", "no-such-model-xyz", "--db", str(tmp_path / "g.lbdb"))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: model 'no-such-model-xyz' is not available offline")
+    assert done.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "g.lbdb").exists()
