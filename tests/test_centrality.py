@@ -95,3 +95,14 @@ def test_empty_graph_gives_zero_scores():
     assert (table["degree"] == 0).all()
     assert (table["hits_hub"] == 0).all()
     np.testing.assert_allclose(table["pagerank"], 1 / len(HEADS))
+
+
+def test_hub_report_of_a_graph_where_every_head_looks_alike():
+    """Constant centralities (no edges at all) have no rank correlation: None, not a crash."""
+    import pandas as pd
+
+    from headgraph.analysis.centrality import head_centrality, hub_report
+
+    edges = pd.DataFrame(columns=["source", "target", "kind", "pk", "source_layer", "target_layer"])
+    report = hub_report(head_centrality(edges, ["L0H0", "L0H1", "L1H0"]), edges)
+    assert report["spearman"]["degree"]["pagerank"] is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import networkx as nx
 import pandas as pd
-from scipy.stats import spearmanr
 
 MEASURES = (
     "degree",
@@ -114,9 +113,9 @@ def hub_report(centrality: pd.DataFrame, edges: pd.DataFrame, top: int = 10, per
         }
         for _, row in ordered.iterrows()
     ]
-    rho = spearmanr(centrality[list(MEASURES)].to_numpy()).statistic if len(centrality) > 2 else None
+    rho = centrality[list(MEASURES)].corr(method="spearman") if len(centrality) > 2 else None
     spearman = (
-        {a: {b: None if pd.isna(rho[i, j]) else float(rho[i, j]) for j, b in enumerate(MEASURES)} for i, a in enumerate(MEASURES)}
+        {a: {b: None if pd.isna(rho.at[a, b]) else float(rho.at[a, b]) for b in MEASURES} for a in MEASURES}
         if rho is not None
         else {}
     )
