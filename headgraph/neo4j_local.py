@@ -3,9 +3,11 @@
     python3 -m headgraph.neo4j_local assemble|start|stop|status     (scripts/neo4j-local is a wrapper)
 
 The home lives outside the repository (default ~/.cache/headgraph/neo4j-5.26, env HEADGRAPH_NEO4J_HOME) and
-is assembled once with a throw-away pom and `mvn dependency:copy-dependencies`; later starts reuse it, and
-~/.m2 caches the jars. The server listens on 127.0.0.1 only, with auth enabled and the initial password
-NEO4J_PASSWORD (default `headgraph`, meant only for this local test server) set before its first start.
+is assembled once from the jars pinned in headgraph/data/neo4j-5.26.lock (coordinates + SHA-1), fetched in
+parallel from Maven Central or copied from ~/.m2; later starts reuse it. `assemble --resolve` re-resolves the
+jars with a throw-away pom and `mvn dependency:list` and rewrites the lock. The server listens on 127.0.0.1
+only, with auth enabled and the initial password NEO4J_PASSWORD (default `headgraph`, meant only for this
+local test server) set before its first start.
 Neo4j Browser is served at http://127.0.0.1:7474/browser/; a tiny loopback HTTP server next to it serves
 headgraph's Browser style and guide, which Browser applies on connect (`browser.post_connect_cmd`).
 """
@@ -13,6 +15,7 @@ headgraph's Browser style and guide, which Browser applies on connect (`browser.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -22,13 +25,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 import neo4j
 from neo4j.exceptions import AuthError, DriverError, Neo4jError
+from rich.console import Console
+from rich.progress import Progress, TextColumn
 
 from headgraph.errors import HeadgraphError, StoreUnavailable, UsageError
 
@@ -67,7 +76,59 @@ POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   </dependencies>
 </project>
 """
-_SERVER_JAR = re.compile(r"^neo4j-(5\.26\.\d+)\.jar$")
+LOCK_FILE = Path(__file__).parent / "data" / "neo4j-5.26.lock"
+MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2/"
+FETCH_WORKERS = 16
+FETCH_ATTEMPTS = 3
+_LOCK_LINE = re.compile(r"([\w.-]+):([\w.-]+):([\w.+-]+)(?::([\w.-]+))? ([0-9a-f]{40})")
+# `mvn dependency:list -DoutputAbsoluteArtifactFilename=true`: group:artifact:jar[:classifier]:version:scope:path
+_LISTED_JAR = re.compile(
+    r"\s*([\w.-]+):([\w.-]+):jar(?::([\w.-]+))?:([\w.+-]+):(?:compile|runtime):(/\S+\.jar)(?:\s|$)"
+)
+
+
+@dataclass(frozen=True)
+class LockedJar:
+    """One runtime jar of the local server: its Maven coordinates and the SHA-1 its bytes must have."""
+
+    group: str
+    artifact: str
+    version: str
+    classifier: str | None
+    sha1: str
+
+    @property
+    def coordinates(self) -> str:
+        return ":".join(part for part in (self.group, self.artifact, self.version, self.classifier) if part)
+
+    @property
+    def file_name(self) -> str:
+        """The name in lib/, as `mvn dependency:copy-dependencies` writes it."""
+        return f"{self.artifact}-{self.version}{'-' + self.classifier if self.classifier else ''}.jar"
+
+    @property
+    def repository_path(self) -> str:
+        """The path in a Maven repository (remote or ~/.m2/repository)."""
+        return f"{self.group.replace('.', '/')}/{self.artifact}/{self.version}/{self.file_name}"
+
+
+@dataclass(frozen=True)
+class JarSources:
+    """Where jars come from: a local Maven repository when it holds the pinned bytes, else a remote repository.
+
+    From the environment: HEADGRAPH_MAVEN_REPOSITORY (default Maven Central), HEADGRAPH_MAVEN_LOCAL (default
+    ~/.m2/repository; set it empty to download everything).
+    """
+
+    remote: str = MAVEN_CENTRAL
+    local: Path | None = None
+
+    @classmethod
+    def from_env(cls) -> JarSources:
+        env = os.environ
+        remote = env.get("HEADGRAPH_MAVEN_REPOSITORY") or MAVEN_CENTRAL
+        local = env.get("HEADGRAPH_MAVEN_LOCAL", str(Path.home() / ".m2" / "repository"))
+        return cls(remote.rstrip("/") + "/", Path(local).expanduser() if local else None)
 
 
 @dataclass(frozen=True)
@@ -149,40 +210,181 @@ def assembled_version(server: LocalServer) -> str | None:
     return json.loads(marker.read_text())["neo4j"]
 
 
-def assemble(server: LocalServer) -> str:
-    """Assemble the home once (jars from Maven Central into lib/); return the Neo4j version in it."""
+def read_lock(lock: Path = LOCK_FILE) -> list[LockedJar]:
+    """The jars pinned by a lock file: one `group:artifact:version[:classifier] sha1` line each."""
+    redo = "regenerate it with: scripts/neo4j-local assemble --resolve"
+    if not lock.is_file():
+        raise StoreUnavailable(f"the Neo4j lock file {lock} is missing; {redo}")
+    jars = []
+    for number, line in enumerate(lock.read_text().splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = _LOCK_LINE.fullmatch(line.strip())
+        if match is None:
+            raise StoreUnavailable(
+                f"line {number} of {lock} is not `group:artifact:version[:classifier] sha1` ({line.strip()!r}); {redo}"
+            )
+        jars.append(LockedJar(*match.groups()))
+    names = [jar.file_name for jar in jars]
+    if len(set(names)) != len(names) or not jars:
+        raise StoreUnavailable(f"{lock} pins no jars or two jars with one file name; {redo}")
+    return jars
+
+
+def write_lock(lock: Path, jars: list[LockedJar]) -> None:
+    """Write `jars` as a lock file (sorted by coordinates), replacing `lock` atomically."""
+    lines = [
+        "# Runtime jars of the local Neo4j (headgraph.neo4j_local): group:artifact:version[:classifier] sha1",
+        f"# Neo4j {NEO4J_VERSIONS} + neo4j-browser {BROWSER_VERSION}; "
+        "regenerate: scripts/neo4j-local assemble --resolve",
+        *sorted(f"{jar.coordinates} {jar.sha1}" for jar in jars),
+    ]
+    _write_atomically(lock, "\n".join(lines) + "\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def resolve_lock(lock: Path = LOCK_FILE) -> list[LockedJar]:
+    """Resolve the newest Neo4j 5.26 + Browser with Maven and pin their runtime jars in `lock`.
+
+    Slow on an empty ~/.m2 (Maven fetches some 1,900 POMs one at a time); the jars' SHA-1s are computed from
+    the files Maven resolved.
+    """
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise StoreUnavailable("Maven (mvn) is needed to resolve the Neo4j jars; install it (apt-get install maven)")
+    with tempfile.TemporaryDirectory(prefix="headgraph-neo4j-resolve-") as build:
+        pom, listing = Path(build) / "pom.xml", Path(build) / "runtime-jars.txt"
+        pom.write_text(POM.format(neo4j=NEO4J_VERSIONS, browser=BROWSER_VERSION))
+        command = [
+            mvn, "-q", "-B", "-f", str(pom), f"{DEPENDENCY_PLUGIN}:list", "-DincludeScope=runtime",
+            "-DexcludeTypes=pom", "-DoutputAbsoluteArtifactFilename=true", f"-DoutputFile={listing}",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise StoreUnavailable(f"resolving Neo4j with Maven failed ({last[0]}); check access to Maven Central")
+        listed = [m.groups() for line in listing.read_text().splitlines() if (m := _LISTED_JAR.match(line))]
+    jars = [LockedJar(group, artifact, version, classifier, _sha1_of(Path(path)))
+            for group, artifact, classifier, version, path in listed]  # fmt: skip
+    write_lock(lock, jars)
+    return jars
+
+
+def _sha1_of(path: Path) -> str:
+    digest = hashlib.sha1()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _copy_hashed(source, destination: Path) -> str:
+    """Copy a binary stream into `destination`; return the SHA-1 of the bytes copied."""
+    digest = hashlib.sha1()
+    with open(destination, "wb") as out:
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
+
+
+def _fetch_jar(jar: LockedJar, folder: Path, sources: JarSources) -> int:
+    """Put `jar` into `folder`, from the local Maven repository when it holds the pinned bytes, else downloaded;
+    return the number of bytes downloaded. Bytes that do not match the pinned SHA-1 are refused."""
+    destination = folder / jar.file_name
+    if sources.local is not None and (copy := sources.local / jar.repository_path).is_file():
+        with open(copy, "rb") as stream:
+            if _copy_hashed(stream, destination) == jar.sha1:
+                return 0
+    url = sources.remote + jar.repository_path
+    for attempt in range(FETCH_ATTEMPTS):
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response:
+                sha1 = _copy_hashed(response, destination)
+            break
+        except OSError as error:  # URLError, HTTPError, timeouts, resets
+            client_error = isinstance(error, urllib.error.HTTPError) and error.code < 500
+            if client_error or attempt == FETCH_ATTEMPTS - 1:
+                reason = getattr(error, "reason", None) or error
+                raise StoreUnavailable(
+                    f"downloading {jar.coordinates} from {url} failed ({reason}); check access to "
+                    f"{urllib.parse.urlsplit(sources.remote).netloc} or set HEADGRAPH_MAVEN_REPOSITORY to a mirror"
+                ) from None
+            time.sleep(1.0 + attempt)
+    if sha1 != jar.sha1:
+        raise StoreUnavailable(
+            f"refusing {url}: its SHA-1 is {sha1} but the lock pins {jar.coordinates} to {jar.sha1}; "
+            "check HEADGRAPH_MAVEN_REPOSITORY or regenerate the lock: scripts/neo4j-local assemble --resolve"
+        )
+    return destination.stat().st_size
+
+
+def fetch_jars(jars: list[LockedJar], folder: Path, sources: JarSources, workers: int = FETCH_WORKERS) -> int:
+    """Fetch all `jars` into `folder` in parallel (SHA-1 checked); return the number of bytes downloaded."""
+    columns = (*Progress.get_default_columns(), TextColumn("{task.fields[mb]:.1f} MB downloaded"))
+    downloaded = 0
+    with Progress(*columns, console=Console(stderr=True)) as progress, ThreadPoolExecutor(workers) as pool:
+        task = progress.add_task("Neo4j jars", total=len(jars), mb=0.0)
+        pending = [pool.submit(_fetch_jar, jar, folder, sources) for jar in jars]
+        try:
+            for done in as_completed(pending):
+                downloaded += done.result()
+                progress.update(task, advance=1, mb=downloaded / 1e6)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    return downloaded
+
+
+def _locked_server_version(jars: list[LockedJar], lock: Path) -> str:
+    server_jar = next((jar for jar in jars if (jar.group, jar.artifact) == ("org.neo4j", "neo4j")), None)
+    if server_jar is None or not server_jar.version.startswith("5.26."):
+        raise StoreUnavailable(
+            f"{lock} pins no org.neo4j:neo4j 5.26.x server jar; regenerate it: scripts/neo4j-local assemble --resolve"
+        )
+    return server_jar.version
+
+
+def _remove_abandoned_staging(home: Path) -> None:
+    """Remove lib staging folders left by assemblies that were killed (their process is gone)."""
+    for folder in home.glob(".lib-partial-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def assemble(server: LocalServer, lock: Path = LOCK_FILE, sources: JarSources | None = None) -> str:
+    """Assemble the home once from the lock file's jars; return the Neo4j version in it.
+
+    The jars are staged in a folder of their own and renamed to lib/ only when all are there and verified;
+    `assembled.json` is written last, so an interrupted assembly is simply redone on the next call.
+    """
     version = assembled_version(server)
     if version:
         return version
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise StoreUnavailable("Maven (mvn) is not installed; install it (apt-get install maven) or use docker compose")
-    build = server.home / "build"
-    staging = server.home / "lib.partial"
+    jars = read_lock(lock)
+    version = _locked_server_version(jars, lock)
+    server.home.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_staging(server.home)
+    staging = server.home / f".lib-partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    build.mkdir(parents=True, exist_ok=True)
-    (build / "pom.xml").write_text(POM.format(neo4j=NEO4J_VERSIONS, browser=BROWSER_VERSION))
-    command = [
-        mvn, "-q", "-B", "-f", str(build / "pom.xml"), f"{DEPENDENCY_PLUGIN}:copy-dependencies",
-        "-DincludeScope=runtime", "-DexcludeTypes=pom", f"-DoutputDirectory={staging}",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-        raise StoreUnavailable(
-            f"assembling Neo4j from Maven Central failed ({last[0]}); check access to repo1.maven.org"
-        )
-    version = next((m.group(1) for p in staging.iterdir() if (m := _SERVER_JAR.match(p.name))), None)
-    if version is None:
-        raise StoreUnavailable(
-            f"Maven resolved no neo4j-5.26.x server jar into {staging}; remove {server.home} and retry"
-        )
-    shutil.rmtree(server.lib, ignore_errors=True)
-    staging.rename(server.lib)
+    staging.mkdir()
+    try:
+        fetch_jars(jars, staging, sources or JarSources.from_env())
+        shutil.rmtree(server.lib, ignore_errors=True)
+        staging.rename(server.lib)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     for folder in ("conf", "data", "logs", "run", "plugins", "import"):
         (server.home / folder).mkdir(exist_ok=True)
-    marker = {"neo4j": version, "browser": BROWSER_VERSION, "jars": len(list(server.lib.glob("*.jar")))}
-    (server.home / "assembled.json").write_text(json.dumps(marker, indent=2) + "\n")
+    marker = {"neo4j": version, "browser": BROWSER_VERSION, "jars": len(jars), "lock_sha1": _sha1_of(lock)}
+    _write_atomically(server.home / "assembled.json", json.dumps(marker, indent=2) + "\n")
     return version
 
 
@@ -423,7 +625,10 @@ def browser_hint(server: LocalServer) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neo4j-local", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("assemble", help="download the jars once into the home (reused afterwards)")
+    assemble_cmd = commands.add_parser("assemble", help="fetch the locked jars once into the home (reused afterwards)")
+    assemble_cmd.add_argument(
+        "--resolve", action="store_true", help=f"first re-resolve the jars with Maven and rewrite {LOCK_FILE.name}"
+    )
     start_cmd = commands.add_parser("start", help="start in the background and wait for Bolt (no-op when running)")
     start_cmd.add_argument("--print-env", action="store_true", help="print only `export NEO4J_…` lines on stdout")
     start_cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Bolt (default 180)")
@@ -438,7 +643,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "assemble":
             began = time.monotonic()
-            print(f"Neo4j {assemble(server)} assembled in {server.home} ({time.monotonic() - began:.1f} s)")
+            if args.resolve:
+                locked = _locked_server_version(resolve_lock(LOCK_FILE), LOCK_FILE)
+                print(f"Neo4j {locked} pinned in {LOCK_FILE} ({time.monotonic() - began:.1f} s)")
+                if assembled_version(server) not in (None, locked):
+                    print(f"{server.home} holds Neo4j {assembled_version(server)}; remove it to assemble {locked}")
+            version = assemble(server)
+            print(f"Neo4j {version} assembled in {server.home} ({time.monotonic() - began:.1f} s)")
         elif args.command == "start":
             log = (lambda m: print(m, file=sys.stderr)) if args.print_env else print
             start(server, timeout=args.timeout, log=log)
