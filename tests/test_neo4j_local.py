@@ -1,16 +1,33 @@
-"""The real Neo4j server: Bolt round trip, and the local server script (scripts/neo4j-local) that runs it."""
+"""The real Neo4j server: Bolt round trip, and the local server script (scripts/neo4j-local) that runs it,
+including its assembly from the lock file (served here by a loopback HTTP server, never the network)."""
 
+import functools
+import hashlib
+import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from neo4j.exceptions import AuthError
 
 from headgraph.errors import StoreUnavailable
-from headgraph.neo4j_local import LocalServer, assemble, server_version, start, status
+from headgraph.neo4j_local import (
+    BROWSER_VERSION,
+    LOCK_FILE,
+    JarSources,
+    LocalServer,
+    assemble,
+    assembled_version,
+    read_lock,
+    server_version,
+    start,
+    status,
+)
 
 pytestmark = pytest.mark.neo4j
 REPO = Path(__file__).resolve().parents[1]
@@ -124,3 +141,114 @@ def test_a_home_without_jars_fails_clearly_and_leaves_nothing_running(tmp_path):
     with pytest.raises(StoreUnavailable, match="initial Neo4j password failed"):
         start(server, log=lambda message: None)
     assert status(server) is None
+
+
+def test_the_committed_lock_pins_neo4j_5_26_browser_and_the_linux_native_transport():
+    jars = {(jar.group, jar.artifact, jar.classifier): jar for jar in read_lock(LOCK_FILE)}
+    assert len(jars) > 150
+    assert jars["org.neo4j", "neo4j", None].version.startswith("5.26.")
+    assert jars["org.neo4j.client", "neo4j-browser", None].version == BROWSER_VERSION
+    assert ("io.netty", "netty-transport-native-epoll", "linux-x86_64") in jars
+    assert not {artifact for _, artifact, _ in jars} & {"junit", "junit-jupiter-api", "mockito-core", "assertj-core"}
+
+
+def test_the_running_home_holds_exactly_the_locked_jars(local_neo4j):
+    on_disk = {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in local_neo4j.lib.glob("*.jar")}
+    assert on_disk == {jar.file_name: jar.sha1 for jar in read_lock(LOCK_FILE)}
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
+@pytest.fixture
+def maven_repository(tmp_path):
+    """(folder, url): a folder served as a Maven repository by a loopback HTTP server."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=root))
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+SERVER_JAR = ("org/neo4j/neo4j/5.26.99/neo4j-5.26.99.jar", "org.neo4j:neo4j:5.26.99")
+NATIVE_JAR = (
+    "io/netty/netty-transport-native-epoll/4.1.0.Final/netty-transport-native-epoll-4.1.0.Final-linux-x86_64.jar",
+    "io.netty:netty-transport-native-epoll:4.1.0.Final:linux-x86_64",
+)
+
+
+def _plant(root: Path, path: str, content: bytes) -> None:
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_bytes(content)
+
+
+def _lock(tmp_path: Path, pins: dict[str, bytes]) -> Path:
+    """A lock file pinning each coordinate to the SHA-1 of the given bytes (hashed here, independently)."""
+    lock = tmp_path / "test.lock"
+    lines = [f"{coordinates} {hashlib.sha1(content).hexdigest()}" for coordinates, content in pins.items()]
+    lock.write_text("# a comment line\n" + "\n".join(lines) + "\n")
+    return lock
+
+
+def test_assembly_downloads_the_locked_jars_into_lib(maven_repository, tmp_path):
+    root, url = maven_repository
+    server_bytes, native_bytes = os.urandom(50_000), os.urandom(3_000)
+    _plant(root, SERVER_JAR[0], server_bytes)
+    _plant(root, NATIVE_JAR[0], native_bytes)
+    lock = _lock(tmp_path, {SERVER_JAR[1]: server_bytes, NATIVE_JAR[1]: native_bytes})
+    server = LocalServer(tmp_path / "home")
+    assert assemble(server, lock, JarSources(url, None)) == "5.26.99"
+    assert (server.lib / "neo4j-5.26.99.jar").read_bytes() == server_bytes
+    assert (server.lib / "netty-transport-native-epoll-4.1.0.Final-linux-x86_64.jar").read_bytes() == native_bytes
+    assert assembled_version(server) == "5.26.99"
+    assert sorted(p.name for p in server.home.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_tampered_sha1_is_refused_in_one_line_and_leaves_no_home(maven_repository, tmp_path):
+    root, url = maven_repository
+    genuine = os.urandom(20_000)
+    _plant(root, SERVER_JAR[0], genuine)
+    _plant(root, NATIVE_JAR[0], b"native")
+    tampered = bytes([genuine[0] ^ 1]) + genuine[1:]
+    lock = _lock(tmp_path, {SERVER_JAR[1]: tampered, NATIVE_JAR[1]: b"native"})
+    server = LocalServer(tmp_path / "home")
+    with pytest.raises(StoreUnavailable, match=r"refusing .*neo4j-5\.26\.99\.jar: its SHA-1 is") as caught:
+        assemble(server, lock, JarSources(url, None))
+    assert "\n" not in str(caught.value)
+    assert hashlib.sha1(genuine).hexdigest() in str(caught.value)
+    assert assembled_version(server) is None
+    assert sorted(p.name for p in server.home.iterdir()) == []  # no lib/, no marker, no staging folder
+
+
+def test_a_good_local_maven_copy_is_used_and_a_corrupt_one_is_downloaded_again(maven_repository, tmp_path):
+    root, url = maven_repository
+    local = tmp_path / "m2"
+    server_bytes, native_bytes = os.urandom(10_000), os.urandom(10_000)
+    _plant(local, SERVER_JAR[0], server_bytes)  # only here: the remote would answer 404
+    _plant(local, NATIVE_JAR[0], b"truncated")
+    _plant(root, NATIVE_JAR[0], native_bytes)
+    lock = _lock(tmp_path, {SERVER_JAR[1]: server_bytes, NATIVE_JAR[1]: native_bytes})
+    server = LocalServer(tmp_path / "home")
+    assert assemble(server, lock, JarSources(url, local)) == "5.26.99"
+    assert (server.lib / "neo4j-5.26.99.jar").read_bytes() == server_bytes
+    assert (server.lib / "netty-transport-native-epoll-4.1.0.Final-linux-x86_64.jar").read_bytes() == native_bytes
+
+
+def test_a_jar_missing_from_the_repository_is_a_one_line_error(maven_repository, tmp_path):
+    _, url = maven_repository
+    lock = _lock(tmp_path, {SERVER_JAR[1]: b"never served"})
+    with pytest.raises(StoreUnavailable, match=r"downloading org\.neo4j:neo4j:5\.26\.99 from .* failed") as caught:
+        assemble(LocalServer(tmp_path / "home"), lock, JarSources(url, None))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_malformed_lock_line_is_named(tmp_path):
+    lock = tmp_path / "bad.lock"
+    lock.write_text("org.neo4j:neo4j:5.26.99 " + "0" * 40 + "\norg.neo4j:neo4j-kernel 1234\n")
+    with pytest.raises(StoreUnavailable, match=f"line 2 of {lock} is not"):
+        read_lock(lock)
