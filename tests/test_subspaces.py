@@ -18,22 +18,25 @@ def weights():
     return w
 
 
-def test_bases_are_orthonormal_and_span_the_weights(weights):
-    subspaces = model_subspaces(weights, {"Q", "O"}, torch.float64, torch.device("cpu"))
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_bases_are_orthonormal_and_span_the_weights(weights, dtype, atol):
+    subspaces = model_subspaces(weights, {"Q", "O"}, dtype, torch.device("cpu"))
     for t in ("Q", "O"):
-        u = subspaces[t].bases
+        u = subspaces[t].bases.double()
         m = head_matrices(weights[t], t)
         gram = u.transpose(-2, -1) @ u
         ranks = subspaces[t].ranks
         expected = torch.diag_embed((torch.arange(u.shape[-1]) < ranks[..., None]).double())
-        torch.testing.assert_close(gram, expected, atol=1e-12, rtol=0)
-        torch.testing.assert_close(u @ (u.transpose(-2, -1) @ m), m, atol=1e-10, rtol=0)
+        torch.testing.assert_close(gram, expected, atol=atol, rtol=0)
+        torch.testing.assert_close(u @ (u.transpose(-2, -1) @ m), m, atol=10 * atol, rtol=0)
 
 
-def test_ranks_match_numpy_and_deficient_heads_are_listed(weights):
-    subspaces = model_subspaces(weights, {"Q", "K", "V", "O"}, torch.float64, torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ranks_match_numpy_and_deficient_heads_are_listed(weights, dtype):
+    weights = {t: w.to(dtype) for t, w in weights.items()}
+    subspaces = model_subspaces(weights, {"Q", "K", "V", "O"}, dtype, torch.device("cpu"))
     for t, sub in subspaces.items():
-        expected = np.linalg.matrix_rank(head_matrices(weights[t], t).numpy())
+        expected = np.linalg.matrix_rank(head_matrices(weights[t], t).numpy())  # eps of the input's dtype
         np.testing.assert_array_equal(sub.ranks.numpy(), expected)
     listed = {(r["type"], r["layer"], r["head"], r["rank"]) for r in rank_deficient_heads(subspaces)}
     assert listed == {("Q", 1, 2, 7), ("O", 2, 0, 7)}

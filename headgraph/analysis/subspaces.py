@@ -68,15 +68,37 @@ def rank_tolerance(shape: tuple[int, int], dtype: torch.dtype) -> float:
     return max(shape) * torch.finfo(dtype).eps
 
 
-def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dtype) -> SubspaceBases:
-    """Batched thin SVD of [n_layers, n_heads, d, k] matrices; columns beyond the numerical rank are zeroed."""
-    work = matrices.to(dtype=dtype)
+def _svd(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     left, singular_values, _ = torch.linalg.svd(work, full_matrices=False)
-    tolerance = rank_tolerance(tuple(work.shape[-2:]), dtype)
-    threshold = singular_values[..., :1] * tolerance
-    kept = singular_values > threshold
-    ranks = kept.sum(dim=-1)
-    bases = left * kept.unsqueeze(-2).to(dtype)
+    return left, singular_values
+
+
+def _svd_by_gram(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thin SVD through the float64 eigendecomposition of W^T W: sigma = sqrt(lambda), U = W V / sigma.
+    In float64 the singular values are accurate to ~1e-7 sigma_max, well inside a float32 rank threshold,
+    and far cheaper than a batched SVD of tall matrices (one GEMM and a k x k eigh per head)."""
+    wide = work.to(torch.float64)
+    eigenvalues, right = torch.linalg.eigh(wide.transpose(-2, -1) @ wide)
+    singular_values = eigenvalues.flip(-1).clamp(min=0).sqrt()
+    right = right.flip(-1)
+    left = (wide @ right) / torch.where(singular_values > 0, singular_values, 1.0).unsqueeze(-2)
+    return left, singular_values
+
+
+def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dtype) -> SubspaceBases:
+    """Thin SVD of [n_layers, n_heads, d, k] matrices; columns beyond the numerical rank (threshold
+    max(d, k) * eps(dtype) * sigma_max) are zeroed. float32 runs the SVD through a float64 Gram
+    eigendecomposition; float64 through LAPACK's SVD (the Gram route cannot resolve float64's threshold)."""
+    decompose = _svd if dtype == torch.float64 else _svd_by_gram
+    tolerance = rank_tolerance(tuple(matrices.shape[-2:]), dtype)
+    bases = torch.empty(matrices.shape, dtype=dtype, device=matrices.device)
+    singular_values = torch.empty(*matrices.shape[:-2], min(matrices.shape[-2:]), dtype=dtype, device=matrices.device)
+    for layer in range(matrices.shape[0]):  # one layer at a time bounds the float64 temporaries
+        left, sigma = decompose(matrices[layer].to(dtype=dtype))
+        kept = sigma > sigma[..., :1] * tolerance
+        bases[layer] = left * kept.unsqueeze(-2).to(left.dtype)
+        singular_values[layer] = sigma
+    ranks = (singular_values > singular_values[..., :1] * tolerance).sum(dim=-1)
     return SubspaceBases(weight_type=weight_type, bases=bases, ranks=ranks, singular_values=singular_values)
 
 
