@@ -140,3 +140,30 @@ def test_bad_options_are_one_line_usage_errors(synthetic_dir, tmp_path, capsys, 
 def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, capsys):
     code, _, err = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--device", "cuda"], capsys)
     assert code == 2 and err.strip().count("\n") == 0 and "no CUDA device" in err
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    from headgraph.loader.synthetic import save_synthetic_gqa
+
+    folder = save_synthetic_gqa(tmp_path_factory.mktemp("gqa") / "llama-gqa", n_layers=2, n_heads=4, n_kv_heads=2)
+    return load_model(folder, processing="tl", device="cpu")
+
+
+def test_grouped_query_keys_and_values_are_native_kv_heads(gqa_model):
+    from transformer_lens.tools.analysis.projection_kernel import attention_head_subspace_affinity
+
+    result = analyze(gqa_model, types=("OQ", "OK", "OV"), **FAST)
+    pairs = result.pairs
+    counts = (pairs.source_type + pairs.target_type).value_counts()
+    assert counts["OQ"] == 4 * 4 and counts["OK"] == 4 * 2 and counts["OV"] == 4 * 2
+    assert set(pairs[pairs.target_type == "K"].target) == {"L1KV0", "L1KV1"}
+    assert pairs[pairs.target_type == "Q"].cs.notna().all() and pairs[pairs.target_type != "Q"].cs.isna().all()
+    assert len(result.heads) == 8 and (result.heads.rank_k == 16).all()
+    for target in ("K", "V"):
+        tl = attention_head_subspace_affinity(gqa_model.bridge, source_role="O", target_role=target)
+        rows = pairs[pairs.target_type == target]
+        index = [torch.as_tensor(rows[c].to_numpy().copy()) for c in
+                 ("source_layer", "source_head", "target_layer", "target_head")]
+        expected = tl.scores[tuple(index)]
+        np.testing.assert_allclose(rows.pk.values, expected.double().numpy(), atol=1e-5)

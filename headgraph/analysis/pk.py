@@ -149,7 +149,8 @@ def _plan_projector(mask: torch.Tensor, d: int, k_src: int, k_tgt: int, itemsize
 def plan_pk(mask: torch.Tensor, d: int, k_src: int, k_tgt: int, itemsize: int,
             max_memory: int = DEFAULT_MAX_MEMORY, formulation: str = "auto") -> PKPlan:
     """Tile sizes for both formulations under `max_memory`; "auto" returns the one of lower cost (FLOPs,
-    projector building weighted by 1 / PROJECTOR_BUILD_EFFICIENCY) among those whose working set fits. Raises ValueError when even one-head tiles do not fit."""
+    projector building weighted by 1 / PROJECTOR_BUILD_EFFICIENCY) among those whose working set fits.
+    Raises ValueError when even one-head tiles do not fit."""
     if formulation not in ("auto", *FORMULATIONS):
         raise ValueError(f"formulation must be 'auto', 'gram' or 'projector', got {formulation!r}")
     plans = [
