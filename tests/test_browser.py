@@ -1,6 +1,12 @@
 """Neo4j Browser exploration: the GraSS style, the guide's canned queries, the loopback assets server, and
-headless Chromium driving the real Browser against the local server (screenshot in test-artifacts/)."""
+headless Chromium driving the real Browser against the local server (screenshots in test-artifacts/).
 
+The explored run is produced the way a user produces one: `headgraph analyze` on the planted-structure model
+with `--neo4j` pointing at the local server. Expectations come from the planted truth and from the run's own
+pairs.parquet (its top-k selection recomputed here with pandas), never from the store."""
+
+import json
+import os
 import re
 import shutil
 import socket
@@ -8,25 +14,20 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
+from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
 import neo4j
 import networkx as nx
+import pandas as pd
 import pytest
 
 from headgraph.figures import TYPE_COLORS
 
 BROWSER_DIR = Path(__file__).resolve().parents[1] / "headgraph" / "browser"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-HUB = "L0H2"
-# The planted run: 3 layers x 4 heads; L0H2 sends five edges, one more edge elsewhere; identity on two heads.
-PLANTED_EDGES = [  # (source, target, type, rank within type)
-    ("L0H2", "L1H0", "OK", 1), ("L0H2", "L1H1", "OQ", 1), ("L0H2", "L1H2", "OV", 1),
-    ("L0H2", "L2H0", "OK", 2), ("L0H2", "L2H3", "OV", 2), ("L1H3", "L2H1", "OK", 7),
-]  # fmt: skip
-IDENTITY = {"L1H3": 0.9, "L2H2": 0.7}
+TOP_K = 5
 
 
 def grass_rules(text: str) -> dict[str, dict[str, str]]:
@@ -80,11 +81,14 @@ def guide_blocks() -> dict[str, str]:
     return {name: text.strip() for name, text in parser.blocks.items()}
 
 
-def planted_graph() -> nx.MultiDiGraph:
-    graph = nx.MultiDiGraph()
-    graph.add_nodes_from(f"L{layer}H{head}" for layer in range(3) for head in range(4))
-    for source, target, kind, rank in PLANTED_EDGES:
-        graph.add_edge(source, target, kind=kind, rank=rank)
+def selected_graph(pairs: pd.DataFrame, top_k: int) -> nx.MultiDiGraph:
+    """The run's graph recomputed from its pairs table: the top_k pairs of each weight-pair type by PK, with
+    their rank within the type (1 = strongest)."""
+    pairs = pairs.assign(kind=pairs["source_type"] + pairs["target_type"])
+    pairs["rank"] = pairs.groupby("kind")["pk"].rank(ascending=False, method="first").astype(int)
+    kept = pairs[pairs["rank"] <= top_k]
+    graph = nx.from_pandas_edgelist(kept, "source", "target", ["kind", "rank"], create_using=nx.MultiDiGraph)
+    graph.add_nodes_from(set(pairs["source"]) | set(pairs["target"]))
     return graph
 
 
@@ -149,30 +153,22 @@ def test_the_assets_server_serves_nothing_else(assets_server, path):
 
 
 @pytest.fixture(scope="module")
-def planted_run(local_neo4j):
-    """A complete run written straight through Bolt into the local server: (driver, run id)."""
-    run_id = f"browser-{uuid.uuid4().hex[:12]}"
-    heads = [
-        {"name": n, "layer": _layer_head(n)[0], "head": _layer_head(n)[1],
-         "identity_sig": n in IDENTITY, "identity_score": IDENTITY.get(n, 0.0)}
-        for n in planted_graph()
+def analyzed_run(local_neo4j, planted, tmp_path_factory):
+    """`headgraph analyze` on the planted model into the local server: (driver, run id, truth, selected graph)."""
+    folder, truth = planted
+    out = tmp_path_factory.mktemp("analyze") / "run"
+    command = [
+        sys.executable, "-m", "headgraph", "analyze", str(folder), "--neo4j", local_neo4j.uri,
+        "--top-k", str(TOP_K), "--n-inputs", "20", "--reference-samples", "2000", "--null-heads", "20", "--no-report",
+        "--out", str(out), "--json",
     ]  # fmt: skip
-    edges = [{"source": s, "target": t, "kind": k, "rank": r, "pk": 1.0 - r / 10} for s, t, k, r in PLANTED_EDGES]
+    env = {**os.environ, "NEO4J_USER": local_neo4j.user, "NEO4J_PASSWORD": local_neo4j.password}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, f"headgraph analyze failed:\n{done.stderr[-3000:]}"
+    run_id = json.loads(done.stdout)["run_id"]
+    graph = selected_graph(pd.read_parquet(out / "pairs.parquet"), TOP_K)
     driver = neo4j.GraphDatabase.driver(local_neo4j.uri, auth=(local_neo4j.user, local_neo4j.password))
-    write = """
-        CREATE (:Run {id: $run, model: 'planted', status: 'complete', created: '2000-01-01T00:00:00+00:00',
-                      n_heads: size($heads), n_edges: size($edges)})
-        WITH 1 AS one UNWIND $heads AS row
-        CREATE (h:Head {key: $run + '/' + row.name, name: row.name, layer: row.layer, head: row.head, run_id: $run,
-                        identity_sig: row.identity_sig, identity_score: row.identity_score})
-        SET h:$('Layer' + toString(row.layer))
-        WITH count(*) AS created UNWIND $edges AS e
-        MATCH (a:Head {key: $run + '/' + e.source}), (b:Head {key: $run + '/' + e.target})
-        CREATE (a)-[:$(e.kind) {kind: e.kind, rank: e.rank, pk: e.pk, run_id: $run,
-                                source: e.source, target: e.target}]->(b)
-    """
-    driver.execute_query(write, run=run_id, heads=heads, edges=edges, database_="neo4j")
-    yield driver, run_id
+    yield driver, run_id, truth, graph
     driver.execute_query("MATCH (n) WHERE n.run_id = $run OR (n:Run AND n.id = $run) DETACH DELETE n",
                          run=run_id, database_="neo4j")  # fmt: skip
     driver.close()
@@ -186,8 +182,8 @@ def _run_block(driver, block: str, params: dict) -> list[dict]:
     return [r.data() for r in driver.execute_query(block, params, database_="neo4j").records]
 
 
-def test_the_guide_picks_the_newest_complete_run(planted_run):
-    driver, _ = planted_run
+def test_the_guide_picks_the_newest_complete_run(analyzed_run):
+    driver = analyzed_run[0]
     picked = _run_block(driver, guide_blocks()["pick-run"], {})["run"]
     runs = driver.execute_query("MATCH (r:Run) RETURN r.id AS id, r.status AS status, r.created AS created",
                                 database_="neo4j").records  # fmt: skip
@@ -195,25 +191,31 @@ def test_the_guide_picks_the_newest_complete_run(planted_run):
     assert picked == max(complete, key=lambda r: r["created"])["id"]
 
 
-def test_the_guide_queries_find_the_planted_structure(planted_run):
-    driver, run_id = planted_run
-    blocks, graph = guide_blocks(), planted_graph()
-    params = {"run": run_id, "head": HUB}
+def test_the_guide_queries_find_the_planted_structure_of_the_analyzed_run(analyzed_run):
+    driver, run_id, truth, graph = analyzed_run
+    blocks, hub = guide_blocks(), truth.hub
+    params = {"run": run_id, "head": hub}
     hubs = _run_block(driver, blocks["hubs"], params)
-    expected = hubs_by_degree(graph)
-    assert [row["head"] for row in hubs] == expected[:10]
-    assert hubs[0]["out_degree"] == graph.out_degree(HUB) and hubs[0]["in_degree"] == 0
+    assert [row["head"] for row in hubs] == hubs_by_degree(graph)[:10]
+    assert hubs[0]["head"] == hub
+    assert hubs[0]["out_degree"] == graph.out_degree(hub) and hubs[0]["in_degree"] == 0
     top = _run_block(driver, blocks["top-edges"], params)
     assert sorted((r["kind"], r["rank"], r["source"], r["target"]) for r in top) == sorted(
-        (k, r, s, t) for s, t, k, r in PLANTED_EDGES if r <= 5
+        (d["kind"], d["rank"], s, t) for s, t, d in graph.edges(data=True)
     )
+    planted_per_kind = Counter(kind for _, _, kind, _ in truth.edges)
+    ranks = {(r["source"], r["target"], r["kind"]): r["rank"] for r in top}
+    for source, target, kind, _ in truth.edges:  # each planted edge is among the strongest of its type
+        assert ranks.get((source, target, kind), TOP_K + 1) <= planted_per_kind[kind], (source, target, kind)
     neighbors = _run_block(driver, blocks["neighbors"], params)
-    assert sorted(r["neighbor"] for r in neighbors) == sorted(graph.successors(HUB))
+    assert sorted(r["neighbor"] for r in neighbors) == sorted(target for _, target in graph.out_edges(hub))
     assert {r["direction"] for r in neighbors} == {"out"}
-    identity = _run_block(driver, blocks["identity-hubs"], params)
-    assert [r["head"] for r in identity] == sorted(IDENTITY, key=lambda n: (-graph.degree(n), -IDENTITY[n]))
+    identity = [r["head"] for r in _run_block(driver, blocks["identity-hubs"], params)]
+    assert sorted(identity) == sorted(truth.identity_heads)
+    degrees = [graph.degree(head) for head in identity]
+    assert degrees == sorted(degrees, reverse=True)
     summary = {r["kind"]: r["edges"] for r in _run_block(driver, blocks["type-summary"], params)}
-    assert summary == {k: sum(e[2] == k for e in PLANTED_EDGES) for k in {"OK", "OQ", "OV"}}
+    assert summary == Counter(kind for _, _, kind in graph.edges(data="kind"))
     for name in ("runs", "hubs-graph", "top-edges-graph", "run-graph", "neighbors-graph"):
         assert _run_block(driver, blocks[name], params), f"guide block {name} returned no rows"
 
@@ -253,11 +255,12 @@ def _frames_by_command(browser) -> dict[str, object]:
 
 
 def _run_in_editor(browser, command: str) -> None:
-    """Type a command into Browser's editor (one line: Enter would run early) and press its Run button."""
+    """Put a command into Browser's editor as one line and press its Run button. The text goes in as one
+    input event (Chromium DevTools Input.insertText), much faster than key by key through the autocompletion."""
     from selenium.webdriver.common.by import By
 
     browser.find_element(By.CSS_SELECTOR, "[data-testid=activeEditor]").click()
-    browser.switch_to.active_element.send_keys(" ".join(command.split()))
+    browser.execute_cdp_cmd("Input.insertText", {"text": " ".join(command.split())})
     browser.find_element(By.CSS_SELECTOR, "[data-testid=editor-Run]").click()
 
 
@@ -288,10 +291,28 @@ def _drawn_nodes(browser, command: str) -> list:
     return frame.find_elements(By.CSS_SELECTOR, "g.node") if frame is not None else []
 
 
-def test_browser_shows_the_planted_hub_with_headgraph_style(planted_run, local_neo4j, chromium):
+def _table_rows(browser, command: str) -> list[list[str]]:
+    """The cells of each body row of the table view in the frame that ran `command`."""
     from selenium.webdriver.common.by import By
 
-    _, run_id = planted_run
+    frame = _frames_by_command(browser).get(command)
+    if frame is None:
+        return []
+    rows = frame.find_elements(By.CSS_SELECTOR, "tbody tr[role=row]")
+    return [[cell.text.strip() for cell in row.find_elements(By.CSS_SELECTOR, "td[role=cell]")] for row in rows]
+
+
+def _run_guide_block(browser, name: str) -> str:
+    """Run a guide block through Browser's editor; return the command as the frame shows it."""
+    query = guide_blocks()[name]
+    _run_in_editor(browser, query)
+    return " ".join(query.split())
+
+
+def test_browser_shows_the_planted_hub_first_with_headgraph_style(analyzed_run, local_neo4j, chromium):
+    from selenium.webdriver.common.by import By
+
+    _, run_id, truth, graph = analyzed_run
     chromium.get(local_neo4j.browser_url)
     password = _wait_for(chromium, lambda b: b.find_element(By.CSS_SELECTOR, "[data-testid=password]"), "login form")
     chromium.find_element(By.CSS_SELECTOR, "[data-testid=username]").send_keys(local_neo4j.user)
@@ -306,26 +327,32 @@ def test_browser_shows_the_planted_hub_with_headgraph_style(planted_run, local_n
     set_run = f":param run => '{run_id}'"
     _run_in_editor(chromium, set_run)
     _wait_for(chromium, lambda b: "Successfully set your parameters" in _frame_text(b, set_run), "run parameter")
-    query = guide_blocks()["hubs-graph"]
-    _run_in_editor(chromium, query)
-    command = " ".join(query.split())
-    _wait_for(chromium, lambda b: _drawn_nodes(b, command), "hubs graph")
-    frame = _frames_by_command(chromium)[command]
-    time.sleep(2)  # let the force layout settle for the screenshot
+
+    hubs_cmd = _run_guide_block(chromium, "hubs")
+    rows = _wait_for(chromium, lambda b: _table_rows(b, hubs_cmd), "hubs table")
     ARTIFACTS.mkdir(exist_ok=True)
+    _frames_by_command(chromium)[hubs_cmd].screenshot(str(ARTIFACTS / "browser-hubs-table.png"))
+    hub = truth.hub
+    assert rows[0][:2] == [f'"{hub}"', str(_layer_head(hub)[0])]
+    assert rows[0][2] == str(graph.degree(hub))
+    assert [row[0].strip('"') for row in rows] == hubs_by_degree(graph)[:10]
+
+    graph_cmd = _run_guide_block(chromium, "hubs-graph")
+    _wait_for(chromium, lambda b: _drawn_nodes(b, graph_cmd), "hubs graph")
+    frame = _frames_by_command(chromium)[graph_cmd]
+    time.sleep(2)  # let the force layout settle for the screenshot
     frame.screenshot(str(ARTIFACTS / "browser-hubs.png"))
     chromium.save_screenshot(str(ARTIFACTS / "browser-page.png"))
 
-    graph = planted_graph()
     top5 = hubs_by_degree(graph)[:5]
-    expected = set(top5) | {n for hub in top5 for n in nx.all_neighbors(graph, hub)}
-    nodes = {g.find_element(By.CSS_SELECTOR, "text.caption").text.strip(): g for g in _drawn_nodes(chromium, command)}
+    expected = set(top5) | {n for h in top5 for n in nx.all_neighbors(graph, h)}
+    nodes = {g.find_element(By.CSS_SELECTOR, "text.caption").text.strip(): g for g in _drawn_nodes(chromium, graph_cmd)}
     assert set(nodes) == expected
     assert f"Head ({len(expected)})" in frame.text
     rules = grass_rules((BROWSER_DIR / "style.grass").read_text())
-    hub_fill = nodes[HUB].find_element(By.CSS_SELECTOR, "circle.b-outline").get_attribute("fill")
-    assert hub_fill.lower() == rules["node.Layer0"]["color"].lower()
+    hub_fill = nodes[hub].find_element(By.CSS_SELECTOR, "circle.b-outline").get_attribute("fill")
+    assert hub_fill.lower() == rules[f"node.Layer{_layer_head(hub)[0]}"]["color"].lower()
     edges = frame.find_elements(By.CSS_SELECTOR, "g.relationship")
     edge_fills = {(g.find_element(By.TAG_NAME, "text").text,
                    g.find_element(By.CSS_SELECTOR, "path.b-outline").get_attribute("fill")) for g in edges}  # fmt: skip
-    assert edge_fills == {(k, TYPE_COLORS[k]) for _, _, k, _ in PLANTED_EDGES}
+    assert edge_fills == {(d["kind"], TYPE_COLORS[d["kind"]]) for _, _, d in graph.edges(top5, data=True)}
