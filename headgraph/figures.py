@@ -136,7 +136,8 @@ def pk_distributions(pairs, reference, kl, model):
                    label=f"observed mean = {values.mean():.3g}")
         if density.max() > 5 * max(heights.max(), 1e-12) or heights.max() > 5 * density.max():
             ax.set_yscale("log")
-            ax.set_ylim(bottom=max(min(heights[heights > 0].min(), density.max()) / 10, 1e-4))
+            ax.set_ylim(bottom=max(min(heights[heights > 0].min(), density.max()) / 10, 1e-4),
+                        top=5 * max(heights.max(), density.max()))
             ax.set_ylabel("density (1/PK, log scale)")
         else:
             ax.set_ylabel("density (1/PK)")
