@@ -197,7 +197,8 @@ def stage_reference(state: AnalysisState, progress: Progress) -> None:
 
 
 def stage_model_null(state: AnalysisState, progress: Progress) -> None:
-    """Empirical p_model per edge against the second-moment null, and BH q_model within each type pair."""
+    """p_model per edge against the second-moment null (empirical, Beta-fitted far tail), and BH q_model within
+    each type pair."""
     opts = state.options
     task = progress.add_task("model-matched null", total=len(opts.types))
     with _stage(state, "model_null"):
@@ -205,13 +206,15 @@ def stage_model_null(state: AnalysisState, progress: Progress) -> None:
                                            opts.seed)
         for tp in opts.types:
             edges = state.edges[tp]
-            null = significance.null_pk_samples(sets[tp[0]][0], sets[tp[1]][1], opts.max_memory)
-            edges.columns["p_model"] = significance.empirical_upper_p(edges.columns["pk"], null)
+            src, tgt = sets[tp[0]][0], sets[tp[1]][1]
+            null = significance.null_pk_samples(src, tgt, opts.max_memory)
+            edges.columns["p_model"] = significance.upper_p(edges.columns["pk"], null, min(src.shape[2], tgt.shape[2]))
             edges.columns["q_model"] = significance.benjamini_hochberg(edges.columns["p_model"])
             progress.advance(task)
         n_values = opts.null_heads**2
         state.null = {"name": significance.NULL_NAME, "null_heads": opts.null_heads, "n_values": n_values,
-                      "p_floor": 1.0 / (n_values + 1)}
+                      "empirical_until": f"{significance.TAIL_EXCEEDANCES} null values exceed the edge's PK",
+                      "far_tail": "Beta on [0, min(k, k')] moment-matched to the null sample (an extrapolation)"}
 
 
 def stage_composition(state: AnalysisState, progress: Progress) -> None:

@@ -8,8 +8,8 @@ from scipy import stats
 
 from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
 from headgraph.analysis.reference import isotropic_log10_p
-from headgraph.analysis.significance import (benjamini_hochberg, empirical_upper_p, null_bases, null_head_sets,
-                                             null_pk_samples, second_moment)
+from headgraph.analysis.significance import (benjamini_hochberg, null_bases, null_head_sets,
+                                             null_pk_samples, upper_p, second_moment)
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
 L, H, D, K = 4, 4, 64, 16
@@ -20,11 +20,23 @@ def test_benjamini_hochberg_equals_scipy():
     np.testing.assert_allclose(benjamini_hochberg(p), stats.false_discovery_control(p, method="bh"), rtol=1e-12)
 
 
-def test_empirical_upper_p_counts_exceedances():
+def test_upper_p_counts_exceedances_where_the_null_reaches():
     rng = np.random.default_rng(1)
-    null, observed = rng.normal(size=1000), np.array([-5.0, 0.0, 0.3, 10.0, rng.normal(size=1000)[0]])
+    null, observed = rng.uniform(0, 8, size=1000), np.array([0.0, 0.3, 4.0, 7.9, rng.uniform(0, 8)])
     expected = [(1 + np.sum(null >= x)) / 1001 for x in observed]
-    np.testing.assert_allclose(empirical_upper_p(observed, null), expected)
+    assert all(np.sum(null >= x) >= 10 for x in observed)
+    np.testing.assert_allclose(upper_p(observed, null, upper=8.0), expected)
+
+
+def test_upper_p_beyond_the_null_sample_follows_the_beta_tail():
+    """A Beta(a, b) null on [0, 16]: where no null value reaches, p follows the true tail (down to 1e-12),
+    instead of flooring at 1 / (n + 1)."""
+    a, b, upper = 40.0, 80.0, 16.0
+    null = stats.beta(a, b).rvs(size=40_000, random_state=np.random.default_rng(2)) * upper
+    observed = stats.beta(a, b).isf([1e-6, 1e-9, 1e-12]) * upper
+    p = upper_p(observed, null, upper)
+    np.testing.assert_allclose(np.log10(p), [-6, -9, -12], atol=0.35)
+    assert p.min() < 1 / (len(null) + 1) / 1000
 
 
 def test_second_moment_is_the_mean_outer_product_per_column():
@@ -61,7 +73,7 @@ def edge_statistics(w: dict[str, torch.Tensor], type_pair: str, seed: int) -> tu
     pk = pk_matrix(src.flat(), tgt.flat(), mask, plan_pk(mask, D, K, K, 4))[mask].double().numpy()
     sets = null_head_sets(w, set(type_pair), n_heads=150, seed=seed)
     null = null_pk_samples(sets[type_pair[0]][0], sets[type_pair[1]][1], max_memory=2**30)
-    return benjamini_hochberg(empirical_upper_p(pk, null)), isotropic_log10_p(pk, D, K, K)
+    return benjamini_hochberg(upper_p(pk, null, K)), isotropic_log10_p(pk, D, K, K)
 
 
 @pytest.mark.parametrize("type_pair", ["OQ", "OK", "OV", "QQ", "VO"])

@@ -6,20 +6,26 @@ head of type T is the column space of Sigma_T^(1/2) G, with G a d_model x d_head
 Sigma_T the second moment of the model's own type-T head matrices (the mean of W W^T over heads, divided by
 d_head). PK between n null source heads and n independent null target heads gives n^2 null values per type
 pair (exchangeable, not independent); an edge's p_model is its upper-tail position among them,
-(1 + #{null >= pk}) / (n^2 + 1), so p_model is never below 1 / (n^2 + 1). q_model applies
-Benjamini-Hochberg within each type pair.
+(1 + #{null >= pk}) / (n^2 + 1), while at least TAIL_EXCEEDANCES null values reach it. Further out the
+empirical tail has no resolution (it would floor at 1 / (n^2 + 1), and then the few strongest edges of a large
+model could never pass BH), so there p_model is the upper tail of a Beta on [0, min(k, k')] matched to the
+null sample's mean and variance — the same family that fits the isotropic PK null — and is an extrapolation.
+q_model applies Benjamini-Hochberg within each type pair.
 """
 
 import numpy as np
 import torch
 
 from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.reference import beta_log_sf, beta_parameters
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
 NULL_NAME = "second_moment"
 NULL_DESCRIPTION = ("PK between random subspaces Sigma_T^(1/2) G drawn from each weight type's own second "
                     "moment Sigma_T (n null heads per type, all n^2 source-target pairs); empirical upper tail "
-                    "(1 + #exceed) / (n^2 + 1)")
+                    "(1 + #exceed) / (n^2 + 1) while at least 10 null values exceed, beyond that the tail of a "
+                    "Beta on [0, min(k, k')] moment-matched to the null sample (an extrapolation)")
+TAIL_EXCEEDANCES = 10
 BH_DESCRIPTION = "Benjamini-Hochberg over the computed edges of each type pair"
 
 
@@ -62,11 +68,18 @@ def null_pk_samples(src: torch.Tensor, tgt: torch.Tensor, max_memory: int) -> np
     return pk_matrix(src, tgt, mask.to(src.device), plan).reshape(-1).cpu().numpy()
 
 
-def empirical_upper_p(observed: np.ndarray, null: np.ndarray) -> np.ndarray:
-    """(1 + #{null >= x}) / (len(null) + 1) for each observed x."""
+def upper_p(observed: np.ndarray, null: np.ndarray, upper: float,
+            min_exceed: int = TAIL_EXCEEDANCES) -> np.ndarray:
+    """p_model: the empirical upper tail where at least `min_exceed` null values reach the observed value,
+    else the upper tail of the Beta on [0, upper] with the null sample's mean and variance."""
     ordered = np.sort(null)
     exceed = len(ordered) - np.searchsorted(ordered, observed, side="left")
-    return (1.0 + exceed) / (len(ordered) + 1.0)
+    p = (1.0 + exceed) / (len(ordered) + 1.0)
+    far = exceed < min_exceed
+    if far.any():
+        a, b = beta_parameters(ordered.mean(), ordered.var(ddof=1), upper)
+        p[far] = np.exp(beta_log_sf(np.asarray(observed, dtype=np.float64)[far] / upper, a, b))
+    return p
 
 
 def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
