@@ -18,7 +18,7 @@ import pandas as pd
 from headgraph import figures
 from headgraph.analysis.artifacts import PAIR_COLUMNS, read_artifacts
 from headgraph.analysis.centrality import head_centrality, hub_report
-from headgraph.analysis.classes import HeadClasses, load_classes
+from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import COMPOSITION_TYPES, evaluate_pairs
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.loader.graph import SelectionPolicy, select_edges
