@@ -267,6 +267,22 @@ def test_minilm_encoder_roles(minilm):
         assert heads[f"{role}_p"].between(0, 1).all() and heads[f"{role}_sig"].dtype == bool
     table = R.role_table(heads)
     assert table.loc["total", "cls"] == heads["cls_sig"].sum()
+    # cls score and p-value of a few heads, recomputed from eager transformers' attentions with the definition
+    inputs = sentence_pair_inputs(minilm.tokenizer, 12, seed=0)
+    hf = AutoModel.from_pretrained(str(minilm_dir()), attn_implementation="eager")
+    with torch.no_grad():
+        attentions = hf(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask.long(),
+                        token_type_ids=inputs.token_type_ids, output_attentions=True).attentions
+    real = inputs.attention_mask.bool().numpy()
+    is_cls = inputs.input_ids.numpy() == minilm.tokenizer.cls_token_id
+    by_head = heads.set_index("head")
+    for layer, head in [(0, 0), (2, 7), (5, 11)]:
+        per_input = [reference_score(attentions[layer][b, head].double().numpy(), real[b][:, None] & is_cls[b][None],
+                                     real[b][:, None] & real[b][None]) for b in range(12)]
+        row = by_head.loc[f"L{layer}H{head}"]
+        assert row["cls_score"] == pytest.approx(np.mean(per_input), rel=1e-4)
+        expected_p = stats.ttest_1samp(per_input, 3.0, alternative="greater").pvalue
+        assert row["cls_p"] == pytest.approx(expected_p, rel=1e-3, abs=1e-12)
 
 
 def test_compute_roles_rejects_bad_parameters(random_model):
