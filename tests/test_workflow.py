@@ -4,6 +4,7 @@ written, and bad input stops before any work with one line and a non-zero exit c
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -59,11 +60,14 @@ def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
 
 
 def test_report_and_figures_are_written(analyzed):
-    _, _, out, summary = analyzed
+    truth, _, out, summary = analyzed
     for stem in ("pk_distributions", "kl_heatmap", "pk_vs_cs", "topk_graph", "roles", "hubs"):
         assert (out / f"fig_{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert (out / f"fig_{stem}.svg").stat().st_size > 0
-    assert summary["run_id"] in (out / "report.md").read_text() or summary["model"] in (out / "report.md").read_text()
+        assert b"<svg" in (out / f"fig_{stem}.svg").read_bytes()[:2000]
+    report = (out / "report.md").read_text()
+    assert report.startswith(f"# headgraph report — {summary['model']}")
+    hubs = report.split("## Hubs")[1]
+    assert re.search(r"\*\*(L\d+H\d+)\*\*", hubs)[1] == truth.hub  # the planted hub is described first
     assert json.loads((out / "run.json").read_text())["id"] == summary["run_id"]
 
 
