@@ -241,19 +241,19 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
     import math
     from pathlib import Path
 
-    import pandas as pd
     from rich.console import Console
     from rich.table import Table
 
+    from headgraph.analysis.artifacts import read_table
     from headgraph.analysis.classes import load_classes
-    from headgraph.analysis.evaluation import evaluate_pairs
+    from headgraph.analysis.evaluation import PAIR_KEYS, evaluate_pairs
     from headgraph.errors import UsageError
 
     path = Path(run_dir) / "pairs.parquet"
     if not path.is_file():
         raise UsageError(f"no pairs.parquet in '{run_dir}': run `headgraph analyze` to make a run folder first")
     classes = load_classes(classes_name)
-    pairs = pd.read_parquet(path)
+    pairs = read_table(path, PAIR_KEYS)
     rows = evaluate_pairs(pairs, classes, k=top_k)
     model_heads = set(pairs["source"]) | set(pairs["target"])
     present = len(classes.heads & model_heads)

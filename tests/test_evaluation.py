@@ -127,3 +127,16 @@ def test_evaluate_command_without_pairs(tmp_path, capsys):
         main(["evaluate", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "pairs.parquet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda path: path.write_bytes(b"not a parquet file"), "cannot read"),
+    (lambda path: pd.DataFrame({"pk": [1.0]}).to_parquet(path), "lacks columns source, target, source_type"),
+])
+def test_evaluate_command_with_a_damaged_pairs_file(tmp_path, capsys, damage, message):
+    damage(tmp_path / "pairs.parquet")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "internal error" not in err

@@ -50,6 +50,23 @@ def write_artifacts(result: AnalysisResult, out_dir) -> Path:
     return folder
 
 
+def require_columns(frame: pd.DataFrame, columns, path) -> None:
+    """UsageError naming the artifact at `path` when `frame` lacks any of `columns`."""
+    absent = [c for c in columns if c not in frame.columns]
+    if absent:
+        raise UsageError(f"{path} lacks columns {', '.join(absent)}; rerun `headgraph analyze`")
+
+
+def read_table(path, columns=()) -> pd.DataFrame:
+    """One parquet artifact holding `columns`; an unreadable or incomplete file raises UsageError naming it."""
+    try:
+        frame = pd.read_parquet(path)
+    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UsageError(f"cannot read {path} ({str(e).splitlines()[0]}); rerun `headgraph analyze`") from e
+    require_columns(frame, columns, path)
+    return frame
+
+
 def read_artifacts(out_dir) -> AnalysisResult:
     """Read a run folder written by `write_artifacts`."""
     folder = Path(out_dir)

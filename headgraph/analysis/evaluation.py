@@ -15,6 +15,7 @@ from headgraph.analysis.classes import HeadClasses
 from headgraph.errors import UsageError
 
 COMPOSITION_TYPES = ("OQ", "OK", "OV")
+PAIR_KEYS = ("source", "target", "source_type", "target_type")  # the pairs.parquet columns evaluated on
 
 
 def typed_pairs(pairs: pd.DataFrame, types=COMPOSITION_TYPES) -> pd.DataFrame:
