@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from headgraph import figures
-from headgraph.analysis.artifacts import PAIR_COLUMNS, read_artifacts
+from headgraph.analysis.artifacts import (HEADS_FILE, PAIR_COLUMNS, PAIRS_FILE, RUN_FILE, read_artifacts,
+                                          require_columns)
 from headgraph.analysis.centrality import head_centrality, hub_report
 from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import COMPOSITION_TYPES, evaluate_pairs
@@ -79,12 +80,16 @@ def load_run(run_dir):
         result = read_artifacts(path)
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot read the run in '{path}' ({e}); rerun `headgraph analyze` into it") from e
-    for name, frame, columns in (("pairs.parquet", result.pairs, PAIR_COLUMNS),
-                                 ("heads.parquet", result.heads, HEAD_COLUMNS)):
-        absent = [c for c in columns if c not in frame.columns]
-        if absent:
-            raise UsageError(f"{path / name} lacks columns {', '.join(absent)}; rerun `headgraph analyze`")
-    return Run(path=path, meta=result.run, pairs=result.pairs, heads=result.heads)
+    if not isinstance(result.run, dict):
+        raise UsageError(f"{path / RUN_FILE} is not a JSON object; rerun `headgraph analyze` into '{path}'")
+    require_columns(result.pairs, PAIR_COLUMNS, path / PAIRS_FILE)
+    require_columns(result.heads, HEAD_COLUMNS, path / HEADS_FILE)
+    run = Run(path=path, meta=result.run, pairs=result.pairs, heads=result.heads)
+    unreferenced = [tp for tp in run.type_pairs if tp not in run.reference]
+    if unreferenced:
+        raise UsageError(f"{path / RUN_FILE} lacks the isotropic reference of {', '.join(unreferenced)}; "
+                         f"rerun `headgraph analyze` into '{path}'")
+    return run
 
 
 def type_summary(run, fraction=0.03, q_level=0.05):

@@ -124,6 +124,25 @@ def test_missing_artifacts_give_a_one_line_usage_error(tmp_path):
         load_run(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("meta, message", [
+    ("[1, 2]", "run.json is not a JSON object"),
+    ("{}", "run.json lacks the isotropic reference of OQ, OK, OV"),
+])
+def test_a_malformed_run_json_gives_a_one_line_usage_error(rendered, tmp_path, capsys, meta, message):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("pairs.parquet", "heads.parquet"):
+        (folder / name).write_bytes((rendered["dir"] / name).read_bytes())
+    (folder / "run.json").write_text(meta)
+    with pytest.raises(UsageError, match=message):
+        load_run(folder)
+    for args in (["report", str(folder)], ["compare", str(rendered["dir"]), str(folder)]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
 def test_cli_report_renders_and_fails_cleanly(rendered, tmp_path, capsys):
     out = tmp_path / "out"
     main(["report", str(rendered["dir"]), "--top-k", "3", "--out", str(out)])
