@@ -207,6 +207,8 @@ def test_run_defaults_to_the_latest_complete_run(ladybug):
         ("hubs", {"colour": "red"}, "no parameter colour"),
         ("paths", {"source": "L0", "target": "layer five"}, "a head (L4H7) or a layer"),
         ("no-such-query", {}, "unknown query"),
+        ("hubs", {"run": "no-such-run"}, "no run 'no-such-run' in"),
+        ("compare-runs", {"other": "no-such-run"}, "no run 'no-such-run' in"),
     ],
 )
 def test_bad_parameters_are_usage_errors(ladybug, name, params, message):

@@ -30,6 +30,7 @@ from headgraph.loader.store import GraphStore, Rows
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
 _HEAD = re.compile(r"^L\d+(H|KV)\d+$")
 _NODE = re.compile(r"^L\d+((H|KV)\d+)?$")
+RUN_PARAMS = {"run", "other"}  # parameters that name a stored run
 
 
 def _cast_list(text: str) -> list[str]:
@@ -154,6 +155,9 @@ def bind_params(query: NamedQuery, given: dict[str, str], store: GraphStore) -> 
             bound[p.name] = p.cast(given[p.name])
         elif p.default is not None:
             bound[p.name] = p.cast(p.default)
+    for name in sorted(RUN_PARAMS & set(given) & set(declared)):  # a run named by hand must be stored
+        if not store.read("MATCH (r:Run) WHERE r.id = $id RETURN r.id", {"id": bound[name]}).rows:
+            raise UsageError(f"no run {bound[name]!r} in {store.description}; `headgraph runs` lists them")
     if "run" in declared and "run" not in bound:
         latest = store.latest_run()
         if latest is None:
