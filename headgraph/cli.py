@@ -33,6 +33,9 @@ def parse_memory_size(ctx, param, value):
     return int(float(match[1]) * _SIZE_UNITS[match[2]])
 
 
+DEVICE_OPTION = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+                             help="torch device (default: cuda when present, else cpu).")
+
 CLASSES_OPTION = click.option(
     "--classes", "classes_name", default=None, metavar="NAME|FILE",
     help="Known head classes to colour and count: ioi, pk-paper or a JSON file (default: pk-paper for gpt2).")
@@ -46,8 +49,7 @@ CLASSES_OPTION = click.option(
               help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
 @click.option("--processing", type=click.Choice(["tl", "raw"]), default="tl", show_default=True,
               help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="torch device (default: cuda when present, else cpu).")
+@DEVICE_OPTION
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
 @click.option("--max-memory", default="2GiB", show_default=True, callback=parse_memory_size,
@@ -176,11 +178,12 @@ def cypher(statement, params, fmt, store):
 @click.option("--n-inputs", default=200, show_default=True, type=click.IntRange(min=2), help="Inputs per input set.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated inputs.")
 @click.option("--tau", default=3.0, show_default=True, help="Sieve bias threshold of the one-sided t-test.")
-@click.option("--alpha", default=0.05, show_default=True, help="Significance level of the decision.")
+@click.option("--alpha", default=0.05, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Significance level of the decision.")
 @click.option("--correction", type=click.Choice(["none", "bh", "bonferroni"]), default="bh", show_default=True,
               help="Multiple-testing correction across heads.")
 @click.option("--identity-map", is_flag=True, help="Also print the layer x head map of identity scores.")
-@click.option("--device", default=None, help="torch device (default: cuda when present, else cpu).")
+@DEVICE_OPTION
 def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identity_map, device):
     """Test every head of MODEL for roles (sieve bias t-tests) and print the heads per role per layer."""
     import json

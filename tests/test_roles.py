@@ -307,3 +307,15 @@ def test_roles_command_unknown_model(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["roles", "./no/such/folder"])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "foo"], "'foo' is not one of 'cpu', 'cuda'"),
+    (["--alpha", "2"], "not in the range 0<x<1"),
+])
+def test_roles_command_bad_options_exit_2(planted, capsys, args, message):
+    _, _, folder = planted
+    with pytest.raises(SystemExit) as exit_info:
+        main(["roles", str(folder), "--n-inputs", "2", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "internal error" not in err
