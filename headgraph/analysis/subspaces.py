@@ -49,10 +49,6 @@ class SubspaceBases:
         """Layer of each head of `flat()`."""
         return torch.arange(self.n_layers).repeat_interleave(self.n_heads)
 
-    def flat_heads(self) -> torch.Tensor:
-        """Head index (within its layer) of each head of `flat()`."""
-        return torch.arange(self.n_heads).repeat(self.n_layers)
-
 
 def head_matrices(weights: torch.Tensor, weight_type: str) -> torch.Tensor:
     """The d_model x d_head matrix whose column space is each head's subspace, [n_layers, n_heads, d, k]."""
