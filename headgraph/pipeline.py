@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from headgraph import __version__
 from headgraph.analysis import reference, significance
-from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, AnalysisResult
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, AnalysisResult, head_index
 from headgraph.analysis.composition import COMPOSITION_TYPES, composition_scores
 from headgraph.analysis.pk import DEFAULT_MAX_MEMORY, pair_mask, pk_matrix, plan_pk
 from headgraph.analysis.subspaces import WEIGHT_TYPES, model_subspaces, rank_deficient_heads
@@ -258,9 +258,8 @@ def _pairs_table(state: AnalysisState) -> pd.DataFrame:
 def _heads_table(state: AnalysisState) -> pd.DataFrame:
     cfg = state.model.cfg
     n_layers, n_heads, kv_group = cfg["n_layers"], cfg["n_heads"], _kv_group(state.model)
-    layer = np.repeat(np.arange(n_layers), n_heads)
-    index = np.tile(np.arange(n_heads), n_layers)
-    table = {"head": [f"L{l}H{h}" for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
+    table = head_index(n_layers, n_heads)
+    layer, index = table["layer"], table["index"]
     for t in WEIGHT_TYPES:
         ranks = state.subspaces[t].ranks.cpu().numpy()
         heads_of_type = index // kv_group if t in ("K", "V") else index

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from headgraph.errors import UsageError
@@ -16,6 +17,12 @@ HEADS_FILE = "heads.parquet"
 PAIR_COLUMNS = ["source", "target", "source_layer", "source_head", "target_layer", "target_head", "source_type",
                 "target_type", "pk", "pk_norm", "z_iso", "log10_p_iso", "p_model", "q_model", "cs"]
 HEAD_COLUMNS = ["head", "layer", "index", "rank_q", "rank_k", "rank_v", "rank_o"]
+
+
+def head_index(n_layers: int, n_heads: int) -> dict[str, list[str] | np.ndarray]:
+    """heads.parquet's key columns, heads ordered by layer then index: head (L{l}H{h}), layer, index."""
+    layer, index = np.divmod(np.arange(n_layers * n_heads), n_heads)
+    return {"head": [f"L{l}H{h}" for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
 
 
 @dataclass

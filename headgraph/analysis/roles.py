@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from scipy import stats
 
+from headgraph.analysis.artifacts import head_index
 from headgraph.analysis.patterns import iter_patterns
 from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
@@ -244,9 +245,7 @@ def compute_roles(model, n_inputs: int = 200, seed: int = 0, tau: float = 3.0, a
         if name == roles[0].inputs:
             selfatt = att
     n_layers, n_heads = model.cfg["n_layers"], model.cfg["n_heads"]
-    layer, index = np.divmod(np.arange(n_layers * n_heads), n_heads)
-    table = {"head": [f"L{l}H{h}" for l, h in zip(layer, index)], "layer": layer, "index": index,
-             "identity_score": selfatt.mean(axis=0)}
+    table = {**head_index(n_layers, n_heads), "identity_score": selfatt.mean(axis=0)}
     for role in roles:
         mean, p, sig = ttest_scores(scores[role.name], tau, alpha, correction)
         table["identity_bias" if role.name == "identity" else f"{role.name}_score"] = mean
