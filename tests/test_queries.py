@@ -191,6 +191,15 @@ def test_stored_centrality_is_networkx_on_the_selected_edges(store, edges, graph
     assert rows.index[0] == HUB
     for measure in ("degree", "pagerank", "hits_hub", "hits_authority", "betweenness"):
         assert rows[measure].tolist() == pytest.approx(expected[measure].tolist()), measure
+    # and independently of headgraph's centrality code: typed-edge degree by pandas, PageRank by networkx
+    degree = pd.concat([edges["source"], edges["target"]]).value_counts().reindex(rows.index, fill_value=0)
+    assert rows["degree"].tolist() == degree.tolist()
+    weights = edges.groupby(["source", "target"])["pk"].sum()
+    pair_graph = nx.DiGraph()
+    pair_graph.add_nodes_from(graphs[0].heads["name"])
+    pair_graph.add_weighted_edges_from((s, t, w) for (s, t), w in weights.items())
+    pagerank = nx.pagerank(pair_graph, weight="weight")
+    assert rows["pagerank"].tolist() == pytest.approx([pagerank[h] for h in rows.index])
 
 
 def test_run_defaults_to_the_latest_complete_run(ladybug):
