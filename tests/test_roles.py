@@ -319,3 +319,12 @@ def test_roles_command_bad_options_exit_2(planted, capsys, args, message):
         main(["roles", str(folder), "--n-inputs", "2", *args])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "internal error" not in err
+
+
+def test_a_non_finite_tau_is_a_usage_error(planted):
+    from headgraph.cli import main
+
+    path, _ = planted
+    with pytest.raises(SystemExit) as stop:
+        main(["roles", str(path), "--tau", "nan", "--n-inputs", "2"])
+    assert stop.value.code == 2

@@ -225,6 +225,8 @@ def compute_roles(model, n_inputs: int = 200, seed: int = 0, tau: float = 3.0, a
         raise UsageError(f"role tests need at least 2 inputs per input set, got n_inputs={n_inputs}")
     if correction not in CORRECTIONS:
         raise UsageError(f"unknown correction {correction!r}: use one of {', '.join(CORRECTIONS)}")
+    if not np.isfinite(tau):
+        raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {tau}")
     causal = bool(model.cfg["is_decoder"])
     roles = DECODER_ROLES if causal else ENCODER_ROLES
     input_names = list(dict.fromkeys(role.inputs for role in roles))
