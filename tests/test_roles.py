@@ -321,10 +321,10 @@ def test_roles_command_bad_options_exit_2(planted, capsys, args, message):
     assert exit_info.value.code == 2 and message in err and "internal error" not in err
 
 
-def test_a_non_finite_tau_is_a_usage_error(planted):
+def test_a_non_finite_tau_is_a_usage_error(synthetic_dir, capsys):
     from headgraph.cli import main
 
-    path, _ = planted
     with pytest.raises(SystemExit) as stop:
-        main(["roles", str(path), "--tau", "nan", "--n-inputs", "2"])
+        main(["roles", str(synthetic_dir), "--tau", "nan", "--n-inputs", "2"])
+    assert capsys.readouterr().err.startswith("error: --tau must be a finite")
     assert stop.value.code == 2
