@@ -326,5 +326,5 @@ def test_a_non_finite_tau_is_a_usage_error(synthetic_dir, capsys):
 
     with pytest.raises(SystemExit) as stop:
         main(["roles", str(synthetic_dir), "--tau", "nan", "--n-inputs", "2"])
-    assert capsys.readouterr().err.startswith("error: --tau must be a finite")
+    assert capsys.readouterr().err.strip().startswith("error: --tau must be a finite")
     assert stop.value.code == 2
