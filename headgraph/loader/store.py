@@ -2,8 +2,8 @@
 
 The property sets below are the single definition of the graph's schema: LadybugDB turns them into typed
 tables, Neo4j gets the same property names and values (plus constraints). Loading is generic Cypher run
-through `GraphStore._write` (one transaction per call); a backend overrides a step only where its engine
-needs it.
+through `GraphStore._write` (one transaction per call), except the edges, which each backend writes its own
+fastest way (`_write_edges`).
 
 Visibility contract: a run is loaded as `Run.status = 'loading'`, its heads and edges in batches of
 `batch_size` rows (one transaction each), and `status = 'complete'` is set in the last transaction. Every
@@ -294,14 +294,10 @@ class GraphStore(ABC):
         cypher = f"UNWIND $rows AS row CREATE (h:Head {_property_map('row', names)}){self.head_label_clause}"
         self._write([(cypher, {"rows": records(heads[names])})])
 
+    @abstractmethod
     def _write_edges(self, kind: str, edges: pd.DataFrame) -> None:
-        names = [n for n in EDGE_PROPERTIES if edges[n].notna().any()]
-        rows = records(edges[["source_key", "target_key", *names]])
-        cypher = (
-            "UNWIND $rows AS row MATCH (a:Head {key: row.source_key}), (b:Head {key: row.target_key}) "
-            f"CREATE (a)-[:{check_kind(kind)} {_property_map('row', names)}]->(b)"
-        )
-        self._write([(cypher, {"rows": rows})])
+        """Create one batch of `kind` edges (rows of `edge_rows`: endpoint keys plus EDGE_PROPERTIES) in one
+        transaction; each engine has its own fast path (Neo4j: UNWIND of value lists, LadybugDB: COPY)."""
 
     def _complete_run(self, run_id: str, n_heads: int, n_edges: int) -> None:
         self._write(
