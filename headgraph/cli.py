@@ -125,9 +125,11 @@ def runs(action, run_id, fmt, store):
         return
     if run_id is None:
         raise UsageError("name the run to delete: headgraph runs delete RUN_ID (ids: headgraph runs)")
-    with store.open() as opened:
-        if not opened.delete_run(run_id):
+    with store.open(read_only=True) as opened:  # a missing embedded store fails here instead of being created
+        if run_id not in {run["id"] for run in opened.runs()}:
             raise UsageError(f"no run {run_id!r} in {opened.description}; `headgraph runs` lists them")
+    with store.open() as opened:
+        opened.delete_run(run_id)
         click.echo(f"deleted run {run_id} from {opened.description}")
 
 

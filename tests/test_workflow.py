@@ -94,3 +94,23 @@ def test_unknown_model_is_one_line_exit_2(tmp_path):
     assert done.stderr.startswith("error: model 'no-such-model-xyz' is not available offline")
     assert done.stderr.strip().count("\n") == 0
     assert not (tmp_path / "g.lbdb").exists()
+
+
+def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path):
+    from headgraph.loader.graph import store_run
+    from headgraph.loader.ladybug_store import LadybugStore
+    from tests._pairs import planted_pairs
+
+    pairs, heads = planted_pairs()
+    db = tmp_path / "g.lbdb"
+    with LadybugStore(db) as store:
+        store_run(store, pairs, heads, {"id": "run-a", "model": "synthetic"}, progress=False)
+    listed = headgraph("runs", "--db", str(db), "--format", "json")
+    assert [r["id"] for r in json.loads(listed.stdout)] == ["run-a"]
+    assert headgraph("runs", "delete", "run-b", "--db", str(db)).returncode == 2
+    done = headgraph("runs", "delete", "run-a", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(headgraph("runs", "--db", str(db), "--format", "json").stdout) == []
+    missing = headgraph("runs", "delete", "run-a", "--db", str(tmp_path / "none.lbdb"))
+    assert missing.returncode == 3 and "no headgraph store" in missing.stderr
+    assert not (tmp_path / "none.lbdb").exists()
