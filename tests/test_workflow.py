@@ -99,7 +99,7 @@ def test_unknown_model_is_one_line_exit_2(tmp_path):
 def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path):
     from headgraph.loader.graph import store_run
     from headgraph.loader.ladybug_store import LadybugStore
-    from tests._pairs import planted_pairs
+    from _pairs import planted_pairs
 
     pairs, heads = planted_pairs()
     db = tmp_path / "g.lbdb"
