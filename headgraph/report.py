@@ -406,18 +406,21 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
     return blocks
 
 
-def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None):
+def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None,
+                  centrality=None):
     """Render figures, report.md and report.html for a run folder (or a loaded Run); return {name: path}.
 
     policy: the edge selection (default: top 20 per type by PK); classes: a HeadClasses (default: the
     project's known classes for the model, if any). Output goes to out_dir (default: the run folder).
-    advance() is called FIGURE_COUNT + 1 times as the work proceeds.
+    advance() is called FIGURE_COUNT + 1 times as the work proceeds. centrality: the head centralities of this
+    selection when the caller already has them (headgraph.analysis.centrality.head_centrality).
     """
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     edges = select_edges(run.pairs, policy)
-    centrality = head_centrality(edges, run.heads["head"].tolist())
+    if centrality is None:
+        centrality = head_centrality(edges, run.heads["head"].tolist())
     report = hub_report(centrality, edges)
     hubs = hub_table(report, run.heads)
     figs = render_figures(run, edges, centrality, out_dir, classes, hub_order=list(hubs.index),

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from headgraph.analysis.artifacts import AnalysisResult, write_artifacts
 from headgraph.analysis.centrality import head_centrality, hub_report
-from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run
+from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run, with_pair_endpoints
 from headgraph.loader.store import StoreSpec
 
 ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
@@ -111,12 +111,15 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             _add_roles(result, model, options, bar)
         write_artifacts(result, folder)
         edges = select_edges(result.pairs, options.policy)
-        hubs = hub_report(head_centrality(edges, result.heads["head"].tolist()), edges)
+        heads = with_pair_endpoints(result.heads, result.pairs)["head"].tolist()  # GQA: KV heads are nodes too
+        centrality = head_centrality(edges, heads)  # once, for the summary, the store and the report
+        hubs = hub_report(centrality, edges)
         if options.store is not None:
             task = bar.add_task(f"storing {len(edges)} edges in {store_description}", total=1)
             with options.store.open() as store:
                 store_run(store, result.pairs, result.heads, result.run, options.policy,
-                          classes=class_labels(classes) if classes is not None else None, progress=False)
+                          classes=class_labels(classes) if classes is not None else None, progress=False,
+                          centrality=centrality)
             bar.advance(task)
         paths = {}
         if options.report:
@@ -124,5 +127,5 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
             paths = render_report(folder, policy=options.policy, classes=classes,
-                                  advance=lambda: bar.advance(task))
+                                  advance=lambda: bar.advance(task), centrality=centrality)
     return AnalyzeOutcome(run_id, folder, result, edges, hubs, store_description, paths)

@@ -173,13 +173,16 @@ def build_run_graph(
     run: Mapping[str, Any],
     policy: SelectionPolicy = SelectionPolicy(),
     classes: Mapping[str, Sequence[str]] | None = None,
+    centrality: pd.DataFrame | None = None,
 ) -> RunGraph:
-    """Select the edges, compute centrality on them, and shape Run/Model/Head/edge rows for a store."""
+    """Select the edges, compute centrality on them (unless given, computed on the same selection), and shape
+    Run/Model/Head/edge rows for a store."""
     model = _model_record(run)
     run_id = _run_id(run, model["name"])
     edges = select_edges(pairs, policy)
     rows = head_rows(with_pair_endpoints(heads, pairs), run_id, model["name"], classes)
-    centrality = head_centrality(edges, rows["name"].tolist())
+    if centrality is None:
+        centrality = head_centrality(edges, rows["name"].tolist())
     rows = rows.drop(columns=[c for c in centrality.columns if c != "name" and c in rows.columns])
     rows = rows.merge(centrality, on="name", how="left")
     kinds = sorted(set(pairs["source_type"].astype(str) + pairs["target_type"].astype(str)))
@@ -208,9 +211,10 @@ def store_run(
     classes: Mapping[str, Sequence[str]] | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
+    centrality: pd.DataFrame | None = None,
 ) -> RunGraph:
     """Build the run's graph and load it into `store` (replacing an earlier copy of the same run id)."""
-    graph = build_run_graph(pairs, heads, run, policy, classes)
+    graph = build_run_graph(pairs, heads, run, policy, classes, centrality)
     store.load_run(graph, batch_size=batch_size, progress=progress)
     return graph
 
