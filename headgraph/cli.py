@@ -129,6 +129,9 @@ def runs(action, run_id, fmt, store):
         if run_id not in {run["id"] for run in opened.runs()}:
             raise UsageError(f"no run {run_id!r} in {opened.description}; `headgraph runs` lists them")
     with store.open() as opened:
+        writer = opened.live_writer(run_id)
+        if writer is not None:
+            raise UsageError(f"run {run_id} is still being stored by {writer.describe()}; wait for it to finish")
         opened.delete_run(run_id)
         click.echo(f"deleted run {run_id} from {opened.description}")
 

@@ -5,8 +5,14 @@ Differences from Neo4j handled here:
   role property becomes a new Head column (`ALTER TABLE Head ADD IF NOT EXISTS`);
 - edges are written with `COPY <type> FROM <arrow table>` per batch inside the batch's transaction:
   `UNWIND $rows … MATCH … CREATE` measured ~3.4k edges/s on LadybugDB 0.22, COPY 23k–69k edges/s;
+- rows loaded with COPY are not replayed from the WAL after a crash (LadybugDB 0.22), so a load checkpoints
+  before its run is marked complete (`_make_durable`; automatic checkpoints are off, see `_open_database`);
 - one read-write process per file: a second one gets "Could not set lock on file"; we retry briefly,
-  then raise StoreUnavailable;
+  then raise StoreUnavailable. Since the lock is exclusive, a partial run found by a read-write open was
+  left by a dead writer (or by this process) and is removed at once;
+- read-only opens work beside a live writer, except while a checkpoint is applied ("checkpoint recovery is
+  pending"): a reader then waits for the writer, or, when no process holds the lock (the writer died
+  mid-checkpoint), completes the recovery with a brief read-write open;
 - user queries run in `BEGIN TRANSACTION READ ONLY`, so a write is refused even on a read-write open.
 """
 
@@ -33,6 +39,7 @@ from headgraph.loader.store import (
     RUN_PROPERTIES,
     GraphStore,
     Rows,
+    Writer,
     check_kind,
     check_run_id,
 )
@@ -68,16 +75,19 @@ def _first_line(error: Exception) -> str:
 
 
 def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.Database:
-    """Open with retries while another process holds the write lock. Automatic checkpoints are off: with
-    them every batch's commit rewrote the growing file (0.5-0.7 s per 5k-edge batch); the store checkpoints
-    once after each load or delete instead."""
+    """Open, waiting up to `lock_timeout` s while another process holds the write lock (read-write) or applies
+    a checkpoint (read-only); a reader completes a checkpoint that a dead writer left half-applied.
+    Automatic checkpoints are off: with them every batch's commit rewrote the growing file (0.5-0.7 s per
+    5k-edge batch); the store checkpoints once per load (before the run is marked complete) or delete."""
     deadline = time.monotonic() + lock_timeout
     while True:
         try:
             return ladybug.Database(path, read_only=read_only, auto_checkpoint=False)
         except RuntimeError as e:
             message = str(e)
-            if "Could not set lock" not in message:
+            if "checkpoint recovery is pending" in message and _recover(path):
+                continue
+            if "Could not set lock" not in message and "checkpoint recovery is pending" not in message:
                 raise StoreUnavailable(f"cannot open the embedded store {path}: {_first_line(e)}") from None
             if time.monotonic() >= deadline:
                 holder = re.search(r"Lock is held by PID (\d+)", message)
@@ -87,6 +97,17 @@ def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.D
                     "wait for it to finish or pass another --db PATH"
                 ) from None
             time.sleep(0.2)
+
+
+def _recover(path: str) -> bool:
+    """Complete a half-applied checkpoint with a read-write open; False while a live writer holds the lock."""
+    try:
+        ladybug.Database(path, auto_checkpoint=False).close()
+    except RuntimeError as e:
+        if "Could not set lock" in str(e):
+            return False
+        raise StoreUnavailable(f"cannot recover the embedded store {path}: {_first_line(e)}") from None
+    return True
 
 
 def _plain(value: Any) -> Any:
@@ -115,7 +136,7 @@ class LadybugStore(GraphStore):
             raise StoreUnavailable(f"no headgraph store at {self.path}: run `headgraph analyze` first or pass --db PATH")
         self._db = _open_database(self.path, read_only, lock_timeout)
         self._conn = ladybug.Connection(self._db)
-        self._head_columns: set[str] = set()
+        self._columns: dict[str, set[str]] = {}
         if read_only:
             tables = {row[0] for row in self._conn.execute("CALL show_tables() RETURN name").get_all()}
             if "Run" not in tables:
@@ -123,6 +144,7 @@ class LadybugStore(GraphStore):
                 raise StoreUnavailable(f"{self.path} holds no headgraph runs: run `headgraph analyze` first")
         else:
             self.ensure_schema()
+            self.remove_abandoned_runs()
 
     def close(self) -> None:
         if self._conn is not None:
@@ -133,15 +155,24 @@ class LadybugStore(GraphStore):
     def ensure_schema(self, extra_head_properties: Mapping[str, str] | None = None) -> None:
         if self.read_only:
             raise ReadOnlyViolation(f"{self.description} is open read-only; writes are refused")
-        if not self._head_columns:
+        if not self._columns:
             for statement in schema_ddl():
                 self._conn.execute(statement)
-            info = self._conn.execute("CALL table_info('Head') RETURN name").get_all()
-            self._head_columns = {row[0] for row in info}
-        for name, kind in {**HEAD_PROPERTIES, **(extra_head_properties or {})}.items():
-            if name not in self._head_columns:
-                self._conn.execute(f"ALTER TABLE Head ADD IF NOT EXISTS {name} {kind}")
-                self._head_columns.add(name)
+            for table in ("Run", "Head"):  # stores made by an earlier version lack newer columns
+                info = self._conn.execute(f"CALL table_info('{table}') RETURN name").get_all()
+                self._columns[table] = {row[0] for row in info}
+            self._add_columns("Run", RUN_PROPERTIES)
+        self._add_columns("Head", {**HEAD_PROPERTIES, **(extra_head_properties or {})})
+
+    def _add_columns(self, table: str, properties: Mapping[str, str]) -> None:
+        for name, kind in properties.items():
+            if name not in self._columns[table]:
+                self._conn.execute(f"ALTER TABLE {table} ADD IF NOT EXISTS {name} {kind}")
+                self._columns[table].add(name)
+
+    def _writer_alive(self, writer: Writer | None) -> bool:
+        """This process holds the file's only write lock, so any other writer of a partial run is gone."""
+        return writer == Writer.current()
 
     def _execute_in_transaction(self, begin: str, statements: list[tuple[str, dict[str, Any]]]) -> Any:
         self._conn.execute(begin)
@@ -184,14 +215,12 @@ class LadybugStore(GraphStore):
         table = pa.Table.from_pandas(edges.reindex(columns=names), schema=schema, preserve_index=False)
         self._write([(f"COPY {check_kind(kind)} FROM $rows", {"rows": table})])
 
-    def load_run(self, graph, *args, **kwargs) -> None:
-        """GraphStore.load_run, then one checkpoint (automatic ones are off, see _open_database)."""
-        try:
-            super().load_run(graph, *args, **kwargs)
-        finally:
-            self._checkpoint()
+    def _write_count(self, cypher: str, params: dict[str, Any]) -> int:
+        (result,) = self._execute_in_transaction("BEGIN TRANSACTION", [(cypher, params)])
+        return result.get_all()[0][0]
 
-    def _checkpoint(self) -> None:
+    def _make_durable(self) -> None:
+        """A checkpoint: COPY-loaded rows survive a crash only once they are in the database file."""
         if self._conn is not None and not self.read_only:
             self._conn.execute("CHECKPOINT")
 
@@ -205,5 +234,5 @@ class LadybugStore(GraphStore):
                 ("MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m", {}),
             ]
         )
-        self._checkpoint()
+        self._make_durable()
         return found > 0

@@ -20,7 +20,15 @@ from neo4j.exceptions import AuthError, ClientError, ConfigurationError, Neo4jEr
 from neo4j.graph import Node, Path, Relationship
 
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
-from headgraph.loader.store import DEFAULT_BATCH_SIZE, EDGE_PROPERTIES, GraphStore, Rows, check_kind, check_run_id
+from headgraph.loader.store import (
+    DEFAULT_BATCH_SIZE,
+    EDGE_PROPERTIES,
+    GraphStore,
+    Rows,
+    Writer,
+    check_kind,
+    check_run_id,
+)
 
 SCHEMA = (
     "CREATE CONSTRAINT head_key IF NOT EXISTS FOR (h:Head) REQUIRE h.key IS UNIQUE",
@@ -90,6 +98,7 @@ class Neo4jStore(GraphStore):
         self.driver = connect(uri, user, password)
         if not read_only:
             self.ensure_schema()
+            self.remove_abandoned_runs()
 
     def close(self) -> None:
         self.driver.close()
@@ -167,10 +176,13 @@ class Neo4jStore(GraphStore):
             raise UsageError(f"Neo4j rejected the query: {_first_line(e)}") from None
 
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
-        """Hide the run first (status 'deleting'), then delete edges and heads in batches, then the Run."""
+        """Hide the run first (status 'deleting', this process as its writer, so that no other process takes it
+        for abandoned while it goes), then delete edges and heads in batches, then the Run."""
         check_run_id(run_id)
-        params = {"run": run_id, "n": batch_size}
-        found = self._write_count("MATCH (r:Run {id: $run}) SET r.status = 'deleting' RETURN count(r)", params)
+        params = {"run": run_id, "n": batch_size, **Writer.current().row()}
+        hide = ("MATCH (r:Run {id: $run}) SET r.status = 'deleting', r.writer_host = $writer_host, "
+                "r.writer_pid = $writer_pid, r.writer_started = $writer_started RETURN count(r)")
+        found = self._write_count(hide, params)
         while self._write_count("MATCH (:Head {run_id: $run})-[e]->() WITH e LIMIT $n DELETE e RETURN count(*)", params):
             pass
         while self._write_count("MATCH (h:Head {run_id: $run}) WITH h LIMIT $n DETACH DELETE h RETURN count(*)", params):

@@ -5,10 +5,15 @@ tables, Neo4j gets the same property names and values (plus constraints). Loadin
 through `GraphStore._write` (one transaction per call), except the edges, which each backend writes its own
 fastest way (`_write_edges`).
 
-Visibility contract: a run is loaded as `Run.status = 'loading'`, its heads and edges in batches of
-`batch_size` rows (one transaction each), and `status = 'complete'` is set in the last transaction. Every
-named query matches `Run.status = 'complete'`, so an interrupted load is never seen; loading a run id
-again first deletes whatever exists under that id (complete or not), so the store keeps one copy.
+Integrity contract (what a reader may rely on):
+- A run is created as `Run.status = 'loading'` with the head and edge counts it will hold and its writer's
+  identity (host, pid, process start time); its heads and edges follow in batches of `batch_size` rows (one
+  transaction each). Every named query matches `Run.status = 'complete'`, so a partial run is never seen.
+- `status = 'complete'` is set only after the rows are durable (`_make_durable`: a checkpoint on LadybugDB,
+  whose bulk-loaded rows are not replayed from its WAL after a crash; a no-op on Neo4j, whose commits are
+  durable) and their counts, read back, equal the recorded ones.
+- A run that is not complete and whose writer is gone is removed by the next read-write open of the store
+  (`remove_abandoned_runs`); a live writer's run is never touched.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, suppress
@@ -24,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import pandas as pd
+import psutil
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from headgraph.errors import UsageError
+from headgraph.errors import StoreUnavailable, UsageError
 
 if TYPE_CHECKING:
     from headgraph.loader.graph import RunGraph
@@ -64,6 +71,9 @@ RUN_PROPERTIES = {
     "n_heads": "INT64",
     "n_edges": "INT64",
     "params": "STRING",
+    "writer_host": "STRING",
+    "writer_pid": "INT64",
+    "writer_started": "DOUBLE",
 }
 CENTRALITY_PROPERTIES = {
     "in_degree": "INT64",
@@ -123,6 +133,15 @@ MATCH (r:Run)
 RETURN r.id AS id, r.model AS model, r.processing AS processing, r.types AS types, r.policy AS policy,
        r.created AS created, r.status AS status, r.n_heads AS heads, r.n_edges AS edges
 ORDER BY created, id
+"""
+UNFINISHED_RUNS_QUERY = """
+MATCH (r:Run) WHERE r.status <> 'complete'
+RETURN r.id AS id, r.status AS status, r.writer_host AS host, r.writer_pid AS pid, r.writer_started AS started
+"""
+STORED_COUNTS_QUERY = """
+MATCH (h:Head) WHERE h.run_id = $run
+OPTIONAL MATCH (h)-[e]->(:Head)
+RETURN count(DISTINCT h) AS heads, count(e) AS edges
 """
 LATEST_RUN_QUERY = """
 MATCH (r:Run) WHERE r.status = 'complete'
@@ -186,6 +205,44 @@ def _property_map(variable: str, names) -> str:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """The process that writes a run: a partial run whose writer is gone may be removed, a live one never.
+    The start time tells a dead writer from a new process that reuses its pid."""
+
+    host: str
+    pid: int
+    started: float
+
+    @classmethod
+    def current(cls) -> Writer:
+        process = psutil.Process()
+        return cls(socket.gethostname(), process.pid, process.create_time())
+
+    @classmethod
+    def of(cls, run: Mapping[str, Any]) -> Writer | None:
+        """The writer recorded on a Run row (`host`, `pid`, `started`), or None for a run stored without one."""
+        if run.get("host") is None or run.get("pid") is None or run.get("started") is None:
+            return None
+        return cls(run["host"], int(run["pid"]), float(run["started"]))
+
+    def row(self) -> dict[str, Any]:
+        return {"writer_host": self.host, "writer_pid": self.pid, "writer_started": self.started}
+
+    def alive(self) -> bool | None:
+        """True or False on this host; None (unknown) for a process on another host."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            process = psutil.Process(self.pid)
+            return process.status() != psutil.STATUS_ZOMBIE and abs(process.create_time() - self.started) < 1.0
+        except psutil.NoSuchProcess:  # ZombieProcess is a subclass
+            return False
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+
+@dataclass(frozen=True)
 class Rows:
     """A query result: column names and row value lists, in order."""
 
@@ -239,11 +296,11 @@ class GraphStore(ABC):
         cleanup_on_error: bool = True,
         progress: bool = True,
     ) -> None:
-        """Store one run so that it becomes visible only once complete; replaces an earlier copy.
+        """Store one run so that it becomes visible only once all of it is durable; replaces an earlier copy.
 
         `after_batch(done, total)` is called after each committed batch (progress hooks, fault injection).
-        On an error the partial run is deleted when `cleanup_on_error`; otherwise it stays invisible
-        (status 'loading') until the next load of the same id or `delete_run` removes it.
+        On an error the partial run is deleted when `cleanup_on_error`; otherwise (or when the process dies)
+        it stays invisible, status 'loading', until the next read-write open finds its writer gone.
         """
         if batch_size < 1:
             raise UsageError(f"batch size must be at least 1, got {batch_size}")
@@ -253,23 +310,24 @@ class GraphStore(ABC):
         steps = [(self._write_heads, part) for part in batches(graph.heads, batch_size)]
         for kind, edges in graph.edges.groupby("kind", sort=True):
             steps += [(functools.partial(self._write_edges, check_kind(kind)), part) for part in batches(edges, batch_size)]
+        expected = {"heads": len(graph.heads), "edges": len(graph.edges)}
         try:
-            self._begin_run(graph.run, graph.model)
+            self._begin_run(graph.run | {"n_heads": expected["heads"], "n_edges": expected["edges"]}, graph.model)
             with _load_progress(progress, run_id, len(steps)) as advance:
                 for done, (write, part) in enumerate(steps, start=1):
                     write(part)
                     advance()
                     if after_batch is not None:
                         after_batch(done, len(steps))
-            self._complete_run(run_id, len(graph.heads), len(graph.edges))
+            self._seal_run(run_id, expected)
         except BaseException:
             if cleanup_on_error:
-                with suppress(Exception):  # e.g. the connection is gone: the next load of this id cleans up
+                with suppress(Exception):  # e.g. the connection is gone: the next read-write open cleans up
                     self.delete_run(run_id, batch_size)
             raise
 
     def _begin_run(self, run: Mapping[str, Any], model: Mapping[str, Any]) -> None:
-        run_row = _present({name: run.get(name) for name in RUN_PROPERTIES} | {"status": "loading"})
+        run_row = _present({name: run.get(name) for name in RUN_PROPERTIES} | {"status": "loading"} | Writer.current().row())
         model_row = _present({name: model.get(name) for name in MODEL_PROPERTIES})
         described = [n for n in model_row if n != "name"]
         model_update = (
@@ -299,15 +357,44 @@ class GraphStore(ABC):
         """Create one batch of `kind` edges (rows of `edge_rows`: endpoint keys plus EDGE_PROPERTIES) in one
         transaction; each engine has its own fast path (Neo4j: UNWIND of value lists, LadybugDB: COPY)."""
 
-    def _complete_run(self, run_id: str, n_heads: int, n_edges: int) -> None:
-        self._write(
-            [
-                (
-                    "MATCH (r:Run {id: $run}) SET r.status = 'complete', r.n_heads = $n_heads, r.n_edges = $n_edges",
-                    {"run": run_id, "n_heads": n_heads, "n_edges": n_edges},
-                )
-            ]
-        )
+    def _make_durable(self) -> None:
+        """Make every committed row survive a crash of this process (Neo4j: commits already are)."""
+
+    def _seal_run(self, run_id: str, expected: Mapping[str, int]) -> None:
+        """Mark the run complete once its rows are durable and their counts, read back, are the recorded ones."""
+        self._make_durable()
+        (stored,) = self.read(STORED_COUNTS_QUERY, {"run": run_id}).records()
+        if stored != dict(expected):
+            raise StoreUnavailable(
+                f"run {run_id} was changed while it was being stored ({stored['heads']} of {expected['heads']} heads, "
+                f"{stored['edges']} of {expected['edges']} edges present; was it deleted?); run `headgraph analyze` again"
+            )
+        flip = "MATCH (r:Run) WHERE r.id = $run AND r.status = 'loading' SET r.status = 'complete' RETURN count(r)"
+        if self._write_count(flip, {"run": run_id}) != 1:
+            raise StoreUnavailable(f"run {run_id} was deleted while it was being stored; run `headgraph analyze` again")
+        self._make_durable()
+
+    @abstractmethod
+    def _write_count(self, cypher: str, params: dict[str, Any]) -> int:
+        """Run one write statement returning a single count, in its own transaction; return the count."""
+
+    def remove_abandoned_runs(self) -> list[str]:
+        """Delete every run that is not complete and whose writer is gone; return their ids."""
+        gone = [row["id"] for row in self.read(UNFINISHED_RUNS_QUERY).records() if not self._writer_alive(Writer.of(row))]
+        for run_id in gone:
+            self.delete_run(run_id)
+        return gone
+
+    def live_writer(self, run_id: str) -> Writer | None:
+        """The live process still storing or deleting `run_id`, or None (complete, absent, or its writer gone)."""
+        for row in self.read(UNFINISHED_RUNS_QUERY).records():
+            if row["id"] == run_id and self._writer_alive(Writer.of(row)):
+                return Writer.of(row)
+        return None
+
+    def _writer_alive(self, writer: Writer | None) -> bool:
+        """Whether the process that wrote a partial run may still be writing it (unknown hosts count as alive)."""
+        return writer is not None and writer.alive() is not False
 
     def set_head_properties(self, run_id: str, values: pd.DataFrame, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
         """Write per-head values (a `name` column plus property columns) onto the run's Head nodes."""

@@ -1,0 +1,168 @@
+"""Crash consistency on real stores and real processes: `headgraph analyze` is killed with SIGKILL at moments
+spread over its load (and over the clean-up of an earlier crash), then the store is read by real commands.
+
+After every kill: reads work, no run shown complete holds fewer rows than it records (nor than the model's
+pair count), and after the next command that opens the store for writing no earlier partial run is left.
+
+The moment is chosen inside the doomed process: a wrapper starts the real CLI with one store method wrapped
+so that the process sends itself SIGKILL before, during (a timer thread while the call runs) or right after
+the n-th call. Nothing is mocked: the store files, the Neo4j server and the processes are real."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from headgraph.loader.synthetic import save_synthetic
+
+KILLER = r"""
+import os, signal, sys, threading, time
+
+from headgraph.cli import main
+from headgraph.loader.ladybug_store import LadybugStore
+from headgraph.loader.neo4j_store import Neo4jStore
+
+method, nth, when, scope = sys.argv[1].split(":")  # e.g. "_write_edges:12:after:load"
+nth, calls, inside = int(nth), [0], set()
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def wrap(cls, name, wrapper):
+    original = cls.__dict__.get(name) or getattr(cls, name)
+    setattr(cls, name, lambda self, *a, **k: wrapper(original, self, *a, **k))
+
+def scoped(name):  # remember that we are inside `name` (the load's seal, or the clean-up of abandoned runs)
+    def run(original, self, *a, **k):
+        inside.add(name)
+        try:
+            return original(self, *a, **k)
+        finally:
+            inside.discard(name)
+    return run
+
+def target(original, self, *a, **k):
+    if scope != "load" and scope not in inside:
+        return original(self, *a, **k)
+    calls[0] += 1
+    if calls[0] != nth:
+        return original(self, *a, **k)
+    if when == "before":
+        kill()
+    if when == "during":
+        threading.Timer(0.002, kill).start()
+    original(self, *a, **k)
+    kill()
+    time.sleep(60)
+
+for cls in (LadybugStore, Neo4jStore):
+    wrap(cls, "_seal_run", scoped("_seal_run"))
+    wrap(cls, "remove_abandoned_runs", scoped("remove_abandoned_runs"))
+    wrap(cls, method, target)
+main(sys.argv[2:])
+"""
+
+ANALYZE = ["--types", "all", "--top-k", "0", "--no-roles", "--no-report", "--null-heads", "2",
+           "--reference-samples", "100", "--processing", "raw"]
+COUNTS = ("MATCH (r:Run) WHERE r.id STARTS WITH $prefix OPTIONAL MATCH (h:Head) WHERE h.run_id = r.id "
+          "OPTIONAL MATCH (h)-[e]->(:Head) RETURN r.id AS id, count(DISTINCT h) AS heads, count(e) AS edges")
+
+
+def pair_count(n_layers, n_heads, types=16):
+    """Every ordered head pair from an earlier to a strictly later layer, for each of the 16 type pairs."""
+    return types * n_heads**2 * n_layers * (n_layers - 1) // 2
+
+
+def headgraph(*args, env=None):
+    return subprocess.run([sys.executable, "-c", "from headgraph.cli import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def analyze_killed_at(moment, model, store_args, out, env):
+    """Run `headgraph analyze` that kills itself at `moment`; the exit must be SIGKILL (the moment was reached)."""
+    process = subprocess.run([sys.executable, "-c", KILLER, moment, "analyze", str(model), *ANALYZE, "--out", str(out),
+                              *store_args], capture_output=True, text=True, env=env, timeout=300)
+    assert process.returncode == -signal.SIGKILL, f"{moment}: exit {process.returncode}\n{process.stderr[-2000:]}"
+
+
+def check_store(store_args, prefix, expected_heads, expected_edges, env):
+    """Reads work; every complete run holds exactly what it records (and what the model implies); returns
+    {run id: status} of this test's runs."""
+    listed = headgraph("runs", "--format", "json", *store_args, env=env)
+    assert listed.returncode == 0, listed.stderr
+    runs = {r["id"]: r for r in json.loads(listed.stdout) if r["id"].startswith(prefix)}
+    counted = headgraph("cypher", COUNTS, "--param", f"prefix={prefix}", "--format", "json", *store_args, env=env)
+    assert counted.returncode == 0, counted.stderr
+    stored = {r["id"]: (r["heads"], r["edges"]) for r in json.loads(counted.stdout)}
+    for run_id, run in runs.items():
+        if run["status"] == "complete":
+            assert (run["heads"], run["edges"]) == (expected_heads, expected_edges)
+            assert stored[run_id] == (expected_heads, expected_edges), run_id
+    hubs = [r for r in runs.values() if r["status"] == "complete"]
+    if hubs:
+        query = headgraph("query", "hubs", "--run", hubs[-1]["id"], "--format", "json", *store_args, env=env)
+        assert query.returncode == 0 and len(json.loads(query.stdout)) > 0, query.stderr
+    return {run_id: run["status"] for run_id, run in runs.items()}
+
+
+def kill_and_check(moments, model, store_args, tmp_path, expected_heads, expected_edges, env):
+    """Kill one analyze per moment; each next analyze must remove the partial runs found before it."""
+    prefix = model.name
+    partial = set()
+    for i, moment in enumerate(moments):
+        analyze_killed_at(moment, model, store_args, tmp_path / f"run{i}", env)
+        statuses = check_store(store_args, prefix, expected_heads, expected_edges, env)
+        left = partial & set(statuses)
+        if "remove_abandoned_runs" not in moment:  # a crash of the clean-up itself leaves it to the next command
+            assert not left, f"after {moment}: partial runs of earlier crashes still stored: {left}"
+        partial = {run_id for run_id, status in statuses.items() if status != "complete"}
+    finished = headgraph("analyze", str(model), *ANALYZE, "--out", str(tmp_path / "final"), *store_args, env=env)
+    assert finished.returncode == 0, finished.stderr
+    statuses = check_store(store_args, prefix, expected_heads, expected_edges, env)
+    assert set(statuses.values()) == {"complete"} and not partial & set(statuses)
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_152k_edge_load_into_ladybug_loses_nothing_reported_done(tmp_path):
+    model = save_synthetic(tmp_path / f"fault-{uuid.uuid4().hex[:6]}", n_layers=12, n_heads=12, d_model=192)
+    store_args = ["--db", str(tmp_path / "graph.lbdb")]
+    env = {**os.environ, "NEO4J_URI": ""}
+    moments = [
+        "_begin_run:1:after:load",
+        "_write_edges:1:after:load",
+        "_write_edges:14:during:load",
+        "_write_edges:31:after:load",
+        "_make_durable:1:before:_seal_run",  # all rows committed, none checkpointed
+        "_make_durable:1:during:_seal_run",  # mid-checkpoint: readers find a pending recovery
+        "_write:1:after:remove_abandoned_runs",  # clean-up of the previous crash, before its checkpoint
+        "_make_durable:2:before:_seal_run",  # marked complete, not yet checkpointed
+        "_make_durable:2:during:_seal_run",
+    ]
+    kill_and_check(moments, model, store_args, tmp_path, 144, pair_count(12, 12), env)
+
+
+@pytest.mark.slow
+@pytest.mark.neo4j
+def test_kill_9_during_a_neo4j_load_loses_nothing_reported_done(tmp_path, neo4j_config):
+    model = save_synthetic(tmp_path / f"fault-{uuid.uuid4().hex[:6]}", n_layers=5, n_heads=8, d_model=128)
+    store_args = ["--neo4j", neo4j_config["uri"], "--neo4j-user", neo4j_config["user"]]
+    env = {**os.environ, "NEO4J_PASSWORD": neo4j_config["password"]}
+    moments = [
+        "_begin_run:1:after:load",
+        "_write_edges:3:during:load",
+        "_write_edges:9:after:load",
+        "_write_count:1:after:remove_abandoned_runs",  # clean-up of the previous crash, half done
+        "_write_count:1:before:_seal_run",  # every row committed, not yet marked complete
+        "_write_count:1:after:_seal_run",  # marked complete
+    ]
+    try:
+        kill_and_check(moments, model, store_args, tmp_path, 40, pair_count(5, 8), env)
+    finally:
+        listed = json.loads(headgraph("runs", "--format", "json", *store_args, env=env).stdout)
+        for run in listed:
+            if run["id"].startswith(model.name):
+                headgraph("runs", "delete", run["id"], *store_args, env=env)
