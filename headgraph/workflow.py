@@ -1,10 +1,11 @@
 """The whole `headgraph analyze` flow, one step after another:
 load -> subspaces / PK / references / significance / CS -> roles -> artifacts -> graph selection and
-centrality -> store -> report. Each step is a library call; this module only orders them and records where the
-results went."""
+centrality -> report -> store. Each step is a library call; this module only orders them and records where the
+results went. The store comes last so that a run marked complete there is never followed by a failure."""
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -15,9 +16,10 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from headgraph.analysis.artifacts import AnalysisResult, write_artifacts
+from headgraph.analysis.artifacts import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_artifacts
 from headgraph.analysis.centrality import head_centrality, hub_report
 from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run, with_pair_endpoints
+from headgraph.errors import UsageError
 from headgraph.loader.store import StoreSpec
 
 ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
@@ -76,6 +78,23 @@ def _check_store(spec: StoreSpec) -> str:
         return store.description
 
 
+def _check_folder(folder: Path) -> None:
+    """Fail before any computation when the run folder cannot be created or written."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} exists and is not a folder; choose another path")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write the run folder {folder}: {existing} is not writable; choose another --out")
+
+
+def _clear_earlier_run(folder: Path) -> None:
+    """Remove what an earlier run wrote into the same folder, so no old report or figure sits beside the new run."""
+    if (folder / RUN_FILE).is_file():
+        for pattern in (RUN_FILE, PAIRS_FILE, HEADS_FILE, "report.md", "report.html", "fig_*.png", "fig_*.svg"):
+            for path in folder.glob(pattern):
+                path.unlink()
+
+
 def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress: Progress) -> None:
     from headgraph.analysis.roles import compute_roles
 
@@ -96,6 +115,7 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     types, device = parse_types(options.types), resolve_device(options.device)
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
     resolve_model(model_name)  # an unknown model fails here, before the store is touched
+    _check_folder(Path(options.out_dir or "runs"))
     store_description = _check_store(options.store) if options.store is not None else None
 
     with console.status(f"loading {model_name}"):
@@ -109,18 +129,12 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     with _progress(console, progress) as bar:
         if options.roles:
             _add_roles(result, model, options, bar)
+        _clear_earlier_run(folder)
         write_artifacts(result, folder)
         edges = select_edges(result.pairs, options.policy)
         heads = with_pair_endpoints(result.heads, result.pairs)["head"].tolist()  # GQA: KV heads are nodes too
         centrality = head_centrality(edges, heads)  # once, for the summary, the store and the report
         hubs = hub_report(centrality, edges)
-        if options.store is not None:
-            task = bar.add_task(f"storing {len(edges)} edges in {store_description}", total=1)
-            with options.store.open() as store:
-                store_run(store, result.pairs, result.heads, result.run, options.policy,
-                          classes=class_labels(classes) if classes is not None else None, progress=False,
-                          centrality=centrality)
-            bar.advance(task)
         paths = {}
         if options.report:
             from headgraph.report import FIGURE_COUNT
@@ -128,4 +142,11 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
             paths = render_report(folder, policy=options.policy, classes=classes,
                                   advance=lambda: bar.advance(task), centrality=centrality)
+        if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
+            task = bar.add_task(f"storing {len(edges)} edges in {store_description}", total=1)
+            with options.store.open() as store:
+                store_run(store, result.pairs, result.heads, result.run, options.policy,
+                          classes=class_labels(classes) if classes is not None else None, progress=False,
+                          centrality=centrality)
+            bar.advance(task)
     return AnalyzeOutcome(run_id, folder, result, edges, hubs, store_description, paths)
