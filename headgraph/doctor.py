@@ -48,9 +48,18 @@ def neo4j_status(uri: str | None, user: str, password: str) -> str:
 
 
 def embedded_status(path: str) -> str:
-    """Where the embedded store is and whether it already exists."""
-    state = "exists" if os.path.exists(path) else "will be created on first store"
-    return f"{os.path.abspath(path)} ({state})"
+    """Where the embedded store is and what a reader finds there: its runs by status, or why it cannot read."""
+    if not os.path.exists(path):
+        return f"{os.path.abspath(path)} (will be created on first store)"
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    try:
+        with LadybugStore(path, read_only=True) as store:
+            statuses = [run["status"] for run in store.runs()]
+    except HeadgraphError as e:
+        return f"{os.path.abspath(path)} (unreadable: {e})"
+    counts = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) or "no runs"
+    return f"{os.path.abspath(path)} (readable: {counts})"
 
 
 def report(db: str, neo4j_uri: str | None, user: str, password: str) -> list[tuple[str, str]]:

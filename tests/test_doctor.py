@@ -28,3 +28,29 @@ def test_doctor_says_why_neo4j_is_unreachable(tmp_path):
     done = _doctor("--neo4j", "bolt://127.0.0.1:1", "--db", str(tmp_path / "g.lbdb"), env=env)
     assert done.returncode == 0, done.stderr
     assert "cannot reach Neo4j at bolt://127.0.0.1:1" in " ".join(done.stdout.split())
+
+
+def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path):
+    from _pairs import planted_pairs
+
+    from headgraph.loader.graph import build_run_graph
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    pairs, heads = planted_pairs()
+    path = tmp_path / "g.lbdb"
+
+    def stop_half_way(done, total):
+        if done == total // 2:
+            raise KeyboardInterrupt
+
+    with LadybugStore(path) as store:
+        store.load_run(build_run_graph(pairs, heads, {"id": "done", "model": "toy"}), progress=False)
+        try:
+            store.load_run(build_run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
+                           after_batch=stop_half_way, cleanup_on_error=False, progress=False)
+        except KeyboardInterrupt:
+            pass
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_")}
+    done = _doctor("--db", str(path), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"{path} (readable: 1 complete, 1 loading)" in " ".join(done.stdout.split())
