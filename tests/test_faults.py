@@ -166,3 +166,38 @@ def test_kill_9_during_a_neo4j_load_loses_nothing_reported_done(tmp_path, neo4j_
         for run in listed:
             if run["id"].startswith(model.name):
                 headgraph("runs", "delete", run["id"], *store_args, env=env)
+
+
+INTERRUPT_IN_REPORT = r"""
+import os, signal, sys
+
+import headgraph.report
+from headgraph.cli import main
+
+render = headgraph.report.render_report
+
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the report renders
+    return render(*args, **kwargs)
+
+headgraph.report.render_report = interrupted
+main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
+    from _pairs import planted_pairs
+
+    from headgraph.loader.graph import build_run_graph
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    path = tmp_path / "graph.lbdb"
+    with LadybugStore(path) as store:
+        store.load_run(build_run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}), progress=False)
+    env = {**os.environ, "NEO4J_URI": ""}
+    process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles",
+                              "--null-heads", "2", "--reference-samples", "100", "--out", str(tmp_path / "run"),
+                              "--db", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert process.returncode == 130 and process.stderr.strip().splitlines()[-1] == "aborted", process.stderr
+    listed = headgraph("runs", "--format", "json", "--db", str(path), env=env)
+    assert [run["id"] for run in json.loads(listed.stdout)] == ["earlier"]
