@@ -6,7 +6,7 @@ pair count), and after the next command that opens the store for writing no earl
 
 The moment is chosen inside the doomed process: a wrapper starts the real CLI with one store method wrapped
 so that the process sends itself SIGKILL before, during (a timer thread while the call runs) or right after
-the n-th call. Nothing is mocked: the store files, the Neo4j server and the processes are real."""
+the n-th call (or pauses there until told to go on). Nothing is mocked: the store files, the Neo4j server and the processes are real."""
 
 import json
 import os
@@ -55,7 +55,11 @@ def target(original, self, *a, **k):
         kill()
     if when == "during":
         threading.Timer(0.002, kill).start()
-    original(self, *a, **k)
+    result = original(self, *a, **k)
+    if when == "pause":  # hold the load here until the test says go on
+        print("paused", flush=True)
+        sys.stdin.readline()
+        return result
     kill()
     time.sleep(60)
 
@@ -201,3 +205,30 @@ def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
     assert process.returncode == 130 and process.stderr.strip().splitlines()[-1] == "aborted", process.stderr
     listed = headgraph("runs", "--format", "json", "--db", str(path), env=env)
     assert [run["id"] for run in json.loads(listed.stdout)] == ["earlier"]
+
+
+@pytest.mark.neo4j
+def test_runs_delete_refuses_a_run_a_live_writer_is_still_storing(tmp_path, synthetic_dir, neo4j_config):
+    store_args = ["--neo4j", neo4j_config["uri"], "--neo4j-user", neo4j_config["user"]]
+    env = {**os.environ, "NEO4J_PASSWORD": neo4j_config["password"]}
+    writer = subprocess.Popen([sys.executable, "-c", KILLER, "_write_edges:1:pause:load", "analyze", str(synthetic_dir),
+                               *ANALYZE, "--out", str(tmp_path / "run"), *store_args],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert writer.stdout.readline().strip() == "paused"
+        run_id = json.loads((tmp_path / "run" / "run.json").read_text())["id"]
+        refused = headgraph("runs", "delete", run_id, *store_args, env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr == f"error: run {run_id} is still being stored by pid {writer.pid} on {os.uname().nodename}; wait for it to finish\n"
+        other = headgraph("analyze", str(synthetic_dir), *ANALYZE, "--out", str(tmp_path / "other"), *store_args, env=env)
+        assert other.returncode == 0, other.stderr  # a second writer's clean-up leaves the live one alone
+        writer.stdin.write("go on\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=120) == 0
+    finally:
+        writer.kill()
+        writer.wait()
+    listed = {r["id"]: r for r in json.loads(headgraph("runs", "--format", "json", *store_args, env=env).stdout)}
+    assert listed[run_id]["status"] == "complete" and listed[run_id]["edges"] == pair_count(2, 4)
+    for name in (run_id, json.loads((tmp_path / "other" / "run.json").read_text())["id"]):
+        assert headgraph("runs", "delete", name, *store_args, env=env).returncode == 0
