@@ -254,6 +254,18 @@ def _frames_by_command(browser) -> dict[str, object]:
     return found
 
 
+def _at_rest(browser, element):
+    """`element` once the page's finite animations have finished. Browser rolls every new frame in (a 0.4 s CSS
+    animation that also pushes the frames below it down); a click aimed at a button while it moves lands on
+    whatever has slid under that point when the mouse is pressed (for the Connect button: the password field)."""
+    browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "const moving = document.getAnimations().filter(a => a.effect?.getComputedTiming().endTime < Infinity);"
+        "Promise.allSettled(moving.map(a => a.finished)).then(() => done());"
+    )
+    return element
+
+
 def _run_in_editor(browser, command: str) -> None:
     """Put a command into Browser's editor as one line and press its Run button. The text goes in as one
     input event (Chromium DevTools Input.insertText), much faster than key by key through the autocompletion."""
@@ -317,7 +329,7 @@ def test_browser_shows_the_planted_hub_first_with_headgraph_style(analyzed_run, 
     password = _wait_for(chromium, lambda b: b.find_element(By.CSS_SELECTOR, "[data-testid=password]"), "login form")
     chromium.find_element(By.CSS_SELECTOR, "[data-testid=username]").send_keys(local_neo4j.user)
     password.send_keys(local_neo4j.password)
-    chromium.find_element(By.CSS_SELECTOR, "[data-testid=connect]").click()
+    _at_rest(chromium, chromium.find_element(By.CSS_SELECTOR, "[data-testid=connect]")).click()
 
     # browser.post_connect_cmd: the style and the guide come from the assets server on connect
     style_cmd, play_cmd = f":style {local_neo4j.assets_url}/style.grass", f":play {local_neo4j.assets_url}/guide.html"
@@ -331,7 +343,7 @@ def test_browser_shows_the_planted_hub_first_with_headgraph_style(analyzed_run, 
     hubs_cmd = _run_guide_block(chromium, "hubs")
     rows = _wait_for(chromium, lambda b: _table_rows(b, hubs_cmd), "hubs table")
     ARTIFACTS.mkdir(exist_ok=True)
-    _frames_by_command(chromium)[hubs_cmd].screenshot(str(ARTIFACTS / "browser-hubs-table.png"))
+    _at_rest(chromium, _frames_by_command(chromium)[hubs_cmd]).screenshot(str(ARTIFACTS / "browser-hubs-table.png"))
     hub = truth.hub
     assert rows[0][:2] == [f'"{hub}"', str(_layer_head(hub)[0])]
     assert rows[0][2] == str(graph.degree(hub))
