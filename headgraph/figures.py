@@ -100,15 +100,19 @@ def _histogram_range(values, ref_lo, ref_hi, upper, max_stretch=8.0):
     bulk = (min(q_lo, ref_lo), max(q_hi, ref_hi))
     full = (min(values.min(), ref_lo), max(values.max(), ref_hi))
     lo, hi = full if full[1] - full[0] <= max_stretch * (bulk[1] - bulk[0]) else bulk
+    if hi - lo < 1e-3 * upper:  # a constant PK (subspaces as wide as d_model): a window around it
+        lo, hi = lo - 0.5, hi + 0.5
     return max(0.0, lo), min(upper, hi)
 
 
 def pk_distributions(pairs, reference, kl, model):
     """Histogram of PK per type pair against its isotropic reference density; KL in each title.
 
-    reference: {type pair: {"mean", "var", "k", "k_prime"}}; kl: {type pair: nats or None}.
+    reference: {type pair: {"mean", "var", "k", "k_prime"}}; kl: {type pair: nats or None}. None without pairs.
     """
     types = _present_types(pairs)
+    if not types:
+        return None
     nrows, ncols = _grid(len(types))
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
     pk_by_type = pairs.groupby(pairs["source_type"] + pairs["target_type"])["pk"]
@@ -127,13 +131,16 @@ def pk_distributions(pairs, reference, kl, model):
             ax.text(0.98, 0.45, f"{len(outside)} pair(s) off scale\n(range {outside.min():.3g} … {outside.max():.3g})",
                     transform=ax.transAxes, ha="right", fontsize=7, color=TYPE_COLORS[tp])
         xs = np.linspace(lo, hi, 600)
-        density = reference_distribution(ref["mean"], ref["var"], upper).pdf(xs)
-        ax.plot(xs, density, color="black", lw=1.4, label="random reference (Beta)")
+        if ref["var"] > 0:
+            density = reference_distribution(ref["mean"], ref["var"], upper).pdf(xs)
+            ax.plot(xs, density, color="black", lw=1.4, label="random reference (Beta)")
+        else:  # a subspace as wide as d_model: the reference PK is the constant k·k'/d
+            density = np.zeros_like(xs)
         ax.axvline(ref["mean"], color="black", ls="--", lw=1,
                    label=f"reference mean k·k'/d = {ref['mean']:.3g}")
         ax.axvline(values.mean(), color=TYPE_COLORS[tp], ls=":", lw=1.6,
                    label=f"observed mean = {values.mean():.3g}")
-        if density.max() > 5 * max(heights.max(), 1e-12) or heights.max() > 5 * density.max():
+        if density.any() and (density.max() > 5 * max(heights.max(), 1e-12) or heights.max() > 5 * density.max()):
             ax.set_yscale("log")
             ax.set_ylim(bottom=max(min(heights[heights > 0].min(), density.max()) / 10, 1e-4),
                         top=5 * max(heights.max(), density.max()))
@@ -233,8 +240,10 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
     source_type, target_type, pk. Opacity = PK / max PK of the edge's type. Each edge artist has the
     gid "edge:<source>-><target>:<type>" (kept in the SVG), each head node "head:<name>". Native KV heads
     of grouped-query models (L{l}KV{g}) are diamonds at the centre of their query-head group.
-    classes: optional {class name: [head names]} colouring nodes.
+    classes: optional {class name: [head names]} colouring nodes. None without edges.
     """
+    if edges.empty:
+        return None
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_heads + 3.5), max(4.0, 0.6 * n_layers + 2.0)))
     owner = _head_classes(classes)
     edge_types = pd.Series(edges["source_type"] + edges["target_type"], index=edges.index)
@@ -371,8 +380,10 @@ def hub_centralities(edges, model, centralities=None, heads=None, top=10):
     """Hub chart: in/out degree by edge type (left) and normalised centralities (right) for the top heads.
 
     centralities: optional DataFrame indexed by head with numeric columns (pagerank, hits_hub, ...);
-    heads: the hubs in rank order (default: the top heads by total degree in `edges`).
+    heads: the hubs in rank order (default: the top heads by total degree in `edges`). None without edges.
     """
+    if edges.empty:
+        return None
     degrees = degree_by_type(edges)
     ranked = list(heads)[:top] if heads is not None else list(degrees.index[:top])
     degrees = degrees.reindex(ranked).fillna(0).iloc[::-1]

@@ -174,9 +174,10 @@ def stage_reference(state: AnalysisState, progress: Progress) -> None:
                 edges.columns["pk_norm"] = pk / np.sqrt(k * k_prime)
                 edges.columns["z_iso"] = reference.isotropic_z(pk, d, k, k_prime)
                 edges.columns["log10_p_iso"] = reference.isotropic_log10_p(pk, d, k, k_prime)
-            for pair in set(zip(k.tolist(), k_prime.tolist())):
+            for pair in set(zip(k.tolist(), k_prime.tolist())) | {widths[tp]}:  # the widths: the KL's reference
                 mean, var = reference.isotropic_moments(d, *pair)
-                a, b = reference.beta_parameters(mean, var, min(pair)) if min(pair) > 0 else (np.nan, np.nan)
+                defined = min(pair) > 0 and var > 0  # var 0: a subspace as wide as d_model, PK is constant
+                a, b = reference.beta_parameters(mean, var, min(pair)) if defined else (np.nan, np.nan)
                 moments[f"{pair[0]},{pair[1]}"] = {"k": pair[0], "k_prime": pair[1], "mean": float(mean),
                                                    "var": float(var), "beta_a": float(a), "beta_b": float(b)}
             if widths[tp] not in samples:
@@ -245,9 +246,11 @@ def _pairs_table(state: AnalysisState) -> pd.DataFrame:
         src_sub, tgt_sub = state.subspaces[tp[0]], state.subspaces[tp[1]]
         src_layer, src_head = edges.src // src_sub.n_heads, edges.src % src_sub.n_heads
         tgt_layer, tgt_head = edges.tgt // tgt_sub.n_heads, edges.tgt % tgt_sub.n_heads
+        sources = [head_name(l, h, tp[0], kv_group) for l, h in zip(src_layer.tolist(), src_head.tolist())]
+        targets = [head_name(l, h, tp[1], kv_group) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]
         frames.append(pd.DataFrame({
-            "source": [head_name(l, h, tp[0], kv_group) for l, h in zip(src_layer.tolist(), src_head.tolist())],
-            "target": [head_name(l, h, tp[1], kv_group) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())],
+            # str also when empty (a 1-layer model has no earlier -> later pairs)
+            "source": pd.Series(sources, dtype=str), "target": pd.Series(targets, dtype=str),
             "source_layer": src_layer, "source_head": src_head, "target_layer": tgt_layer, "target_head": tgt_head,
             "source_type": tp[0], "target_type": tp[1], **edges.columns,
         }))

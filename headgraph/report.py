@@ -275,7 +275,7 @@ def _settings_table(run):
         "processing warnings": "; ".join(meta.get("processing_warnings", [])) or "none",
         "dtype / device": f"{meta.get('dtype')} / {meta.get('device')}",
         "seed": meta.get("seed"),
-        "type pairs computed": ", ".join(run.type_pairs),
+        "type pairs computed": ", ".join(run.type_pairs) or "none",
         "pairs": f"{len(run.pairs)} ({meta.get('pairs', 'earlier → later')})",
         "heads below full rank": len(meta.get("rank_deficient_heads", [])),
         "reference sampler": f"{reference.get('sampler')} ({reference.get('samples')} samples)",
@@ -299,6 +299,14 @@ def _informativeness_text(summary):
             "`mean_z` is the distance of the observed mean from the reference mean in reference sd; trained "
             "weights are anisotropic, so large values are expected and the calibrated q-values are the "
             "per-edge measure to trust.")
+
+
+def _no_pairs_text(run):
+    """Why a run has no head pairs, and so no edges."""
+    if run.dims.get("n_layers") == 1:
+        return ("**No head pairs**: this model has a single layer, so no head has a later head to compare with and "
+                "the graph has 0 edges. `headgraph analyze --full-matrix` also compares heads within a layer.")
+    return "**No head pairs** were computed for this run, so the graph has 0 edges."
 
 
 def _hub_text(hubs):
@@ -369,6 +377,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
               ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
                     "reference; every q refers to the run's calibrated null named below."),
               ("h", 2, "Model and settings"), ("table", _settings_table(run)),
+              *([("p", _no_pairs_text(run))] if run.pairs.empty else []),
               ("h", 2, "Informativeness per weight-type pair"),
               ("p", _informativeness_text(summary)),
               ("table", summary.rename(columns={"q_below": "edges q<0.05", "top_cutoff": "top-3% cut-off"})),
@@ -386,7 +395,8 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
                           ("fig_pk_vs_cs", "PK vs Composition Score with top-3 % cut-offs")):
         if name in figs:
             blocks.append(("fig", caption, figs[name]))
-    blocks += [("h", 2, "Hubs"), ("p", _hub_text(hubs)), ("table", hubs)]
+    blocks += [("h", 2, "Hubs"), *([("p", _hub_text(hubs)), ("table", hubs)] if len(edges)
+                                    else [("p", "The selected graph has no edges, so no head is a hub.")])]
     if "fig_hubs" in figs:
         blocks.append(("fig", "Hub heads: degree by edge type and centralities", figs["fig_hubs"]))
     roles = role_table(run.heads)

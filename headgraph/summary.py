@@ -62,6 +62,9 @@ def print_summary(data: dict, console: Console) -> None:
         types.add_row(tp, str(data["pairs"].get(tp, 0)), str(n_edges), f"{data['mean_pk'].get(tp, float('nan')):.3f}",
                       "-" if kl is None else f"{kl:.3f}")
     console.print(types)
+    if dims["n_layers"] == 1 and not any(data["pairs"].values()):
+        console.print("no head pairs, so 0 edges: a 1-layer model has no earlier -> later pairs "
+                      "(--full-matrix also compares heads within a layer)")
     hubs = Table(title="top hubs (selected graph)")
     for column in ("head", "degree", "PageRank", "significant roles"):
         hubs.add_column(column)

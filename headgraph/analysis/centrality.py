@@ -45,9 +45,12 @@ def pair_graph(edges: pd.DataFrame, heads: list[str]) -> nx.DiGraph:
 
 
 def _hits(pairs: nx.DiGraph) -> tuple[dict, dict]:
-    if pairs.number_of_edges() == 0:
+    if pairs.size(weight="weight") == 0:  # no edges, or only PK-0 ones (all-zero heads): HITS is undefined
         zero = dict.fromkeys(pairs.nodes, 0.0)
         return zero, dict(zero)
+    if pairs.number_of_nodes() == 1:  # a 1-head model's self-pairs (--full-matrix); scipy's svds needs 2 nodes
+        one = dict.fromkeys(pairs.nodes, 1.0)
+        return one, dict(one)
     return nx.hits(pairs, max_iter=1000, normalized=True)
 
 

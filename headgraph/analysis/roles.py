@@ -32,7 +32,7 @@ from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
     sentence_pair_inputs,
 )
-from headgraph.errors import UsageError
+from headgraph.errors import ModelUnavailable, UsageError
 
 CORRECTIONS = ("none", "bh", "bonferroni")
 LOCAL_WINDOW = 2
@@ -212,6 +212,14 @@ def _scores_on(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool
             torch.cat(selfatt).double().numpy())
 
 
+def check_tokenizer(model) -> None:
+    """ModelUnavailable unless the LoadedModel has a tokenizer with a vocabulary: the role tests' inputs are
+    text. A folder without tokenizer files still loads (its tokenizer is empty) and analyzes with --no-roles."""
+    if model.tokenizer is None or not model.tokenizer.vocab_size:
+        raise ModelUnavailable(f"'{model.source}' has no tokenizer files (tokenizer.json, or e.g. vocab.json + "
+                               "merges.txt), which the role tests need: add them, or analyze with --no-roles")
+
+
 def compute_roles(model, n_inputs: int = 200, seed: int = 0, tau: float = 3.0, alpha: float = 0.05,
                   correction: str = "bh", batch_size: int = 32, progress=None) -> tuple[pd.DataFrame, dict]:
     """Roles of every head of a LoadedModel: the heads table (one row per head) and a meta dict.
@@ -227,6 +235,7 @@ def compute_roles(model, n_inputs: int = 200, seed: int = 0, tau: float = 3.0, a
         raise UsageError(f"unknown correction {correction!r}: use one of {', '.join(CORRECTIONS)}")
     if not np.isfinite(tau):
         raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {tau}")
+    check_tokenizer(model)
     causal = bool(model.cfg["is_decoder"])
     roles = DECODER_ROLES if causal else ENCODER_ROLES
     input_names = list(dict.fromkeys(role.inputs for role in roles))

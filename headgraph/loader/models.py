@@ -192,6 +192,9 @@ def load_hf_model(folder: Path, device: str):
         model_class = get_hf_model_class_for_architecture(architecture)
     except (OSError, ValueError, KeyError) as e:
         raise ModelUnavailable(f"cannot read the model config in '{folder}': {_first_line(e)}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelUnavailable(f"unsupported architecture (encoder–decoder) {architecture} in '{folder}': headgraph "
+                               "analyses one stack of attention heads, a decoder-only or encoder-only model")
     try:
         model, info = model_class.from_pretrained(
             str(folder), config=config, dtype=torch.float32, attn_implementation="eager",
@@ -254,6 +257,8 @@ def check_head_weights(weights: dict[str, torch.Tensor], cfg: dict) -> None:
             raise BadWeights(f"{name} has shape {tuple(weights[name].shape)}, expected {shape}")
         if not all_finite(weights[name]):
             raise BadWeights(f"{name} contains NaN or Inf")
+        if not weights[name].any():
+            raise BadWeights(f"{name} is zero in every head: the checkpoint holds no attention weights to compare")
 
 
 def apply_processing(bridge, processing: str) -> list[str]:
