@@ -2,7 +2,7 @@
 // one row per (hub, weight-pair type), hubs ordered by degree, then layer and head index.
 // param run: string -- run id (default: the latest complete run)
 // param limit: int = 10 -- number of hubs
-// param types: list = [] -- weight-pair types to count, e.g. OK,OV (empty: all)
+// param types: types = [] -- weight-pair types to count, e.g. OK,OV (empty: all)
 MATCH (run:Run) WHERE run.id = $run AND run.status = 'complete'
 MATCH (h:Head) WHERE h.run_id = run.id
 OPTIONAL MATCH (h)-[o]->(:Head) WHERE size($types) = 0 OR o.kind IN $types

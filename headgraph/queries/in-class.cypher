@@ -4,7 +4,7 @@
 // param run: string -- run id (default: the latest complete run)
 // param classes: list = [] -- class labels counted as in-class, e.g. induction,previous-token (empty: any)
 // param heads: list = [] -- explicit in-class head names instead of labels, e.g. L5H1,L5H5
-// param types: list = [] -- weight-pair types forming the graph, e.g. OQ,OK,OV (empty: all)
+// param types: types = [] -- weight-pair types forming the graph, e.g. OQ,OK,OV (empty: all)
 MATCH (run:Run) WHERE run.id = $run AND run.status = 'complete'
 MATCH (h:Head)-[r]-(:Head) WHERE h.run_id = run.id AND (size($types) = 0 OR r.kind IN $types)
 WITH DISTINCT h

@@ -4,8 +4,9 @@ A query file starts with `//` comment lines: free text (its purpose), then one l
 
     // param <name>: <type> [= <default>] -- <description>
 
-Types: string, int, float, list (comma-separated strings), head (L4H7, or a native KV head L4KV1 of a
-grouped-query model), node (a head or a layer L4).
+Types: string, int (64-bit), float, list (comma-separated strings), types (comma-separated weight-pair types
+such as OK,OV, any case), head (L4H7, or a native KV head L4KV1 of a grouped-query model), node (a head or a
+layer L4).
 A parameter without a default is required, except `run`, which defaults to the latest complete run.
 """
 
@@ -25,16 +26,35 @@ from rich.markup import escape
 from rich.table import Table
 
 from headgraph.errors import UsageError
-from headgraph.loader.store import GraphStore, Rows
+from headgraph.loader.store import KINDS, GraphStore, Rows
 
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
 _HEAD = re.compile(r"^L\d+(H|KV)\d+$")
 _NODE = re.compile(r"^L\d+((H|KV)\d+)?$")
 RUN_PARAMS = {"run", "other"}  # parameters that name a stored run
+INT64 = (-(2**63), 2**63 - 1)  # the integers both stores take as parameters
+
+
+def _cast_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("expected int") from None
+    if not INT64[0] <= value <= INT64[1]:
+        raise ValueError(f"expected int from {INT64[0]} to {INT64[1]}")
+    return value
 
 
 def _cast_list(text: str) -> list[str]:
     return [item.strip() for item in text.strip().strip("[]").split(",") if item.strip()]
+
+
+def _cast_types(text: str) -> list[str]:
+    types = [item.upper() for item in _cast_list(text)]
+    unknown = [t for t in types if t not in KINDS]
+    if unknown:
+        raise ValueError(f"not weight-pair types: {', '.join(unknown)} (expected some of {','.join(KINDS)})")
+    return types
 
 
 def _cast_pattern(pattern: re.Pattern, what: str):
@@ -48,9 +68,10 @@ def _cast_pattern(pattern: re.Pattern, what: str):
 
 CASTS = {
     "string": str,
-    "int": int,
+    "int": _cast_int,
     "float": float,
     "list": _cast_list,
+    "types": _cast_types,
     "head": _cast_pattern(_HEAD, "a head name like L4H7"),
     "node": _cast_pattern(_NODE, "a head (L4H7) or a layer (L4)"),
 }
@@ -71,7 +92,7 @@ class Param:
         try:
             return CASTS[self.type](text)
         except ValueError as e:
-            detail = str(e) if self.type in ("head", "node") else f"expected {self.type}"
+            detail = str(e) if self.type in ("int", "types", "head", "node") else f"expected {self.type}"
             raise UsageError(f"bad value {text!r} for parameter {self.name}: {detail}") from None
 
 
@@ -129,14 +150,25 @@ def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _beyond_int64(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_beyond_int64(v) for v in value)
+    if isinstance(value, dict):
+        return any(_beyond_int64(v) for v in value.values())
+    return isinstance(value, int) and not INT64[0] <= value <= INT64[1]
+
+
 def parse_values(assignments: dict[str, str]) -> dict[str, Any]:
-    """Ad-hoc Cypher parameters: each value read as JSON when it parses (numbers, lists, true), else a string."""
+    """Ad-hoc Cypher parameters: each value read as JSON when it parses (numbers, lists, true), else a string.
+    An integer beyond 64 bits, which neither store takes, raises UsageError."""
     out = {}
     for key, text in assignments.items():
         try:
             out[key] = json.loads(text)
         except json.JSONDecodeError:
             out[key] = text
+        if _beyond_int64(out[key]):
+            raise UsageError(f"bad --param {key}={text}: integers must lie from {INT64[0]} to {INT64[1]}")
     return out
 
 

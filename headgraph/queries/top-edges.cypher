@@ -2,7 +2,7 @@
 // their type is at most `limit` (rank 1 = strongest), ordered by type and rank.
 // param run: string -- run id (default: the latest complete run)
 // param limit: int = 20 -- largest within-type rank to show
-// param types: list = [] -- weight-pair types, e.g. OK,OV (empty: all)
+// param types: types = [] -- weight-pair types, e.g. OK,OV (empty: all)
 MATCH (run:Run) WHERE run.id = $run AND run.status = 'complete'
 MATCH (a:Head)-[r]->(b:Head)
 WHERE a.run_id = run.id AND r.rank <= $limit AND (size($types) = 0 OR r.kind IN $types)
