@@ -32,6 +32,6 @@ class StoreUnavailable(HeadgraphError):
 
 
 class ReadOnlyViolation(HeadgraphError):
-    """A write attempted through a read-only entry point (headgraph cypher)."""
+    """A statement a read-only entry point (headgraph cypher, the stores' reads) refuses: anything but a pure read."""
 
     exit_code = 2

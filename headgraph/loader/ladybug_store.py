@@ -10,10 +10,12 @@ Differences from Neo4j handled here:
 - one read-write process per file: a second one gets "Could not set lock on file"; we retry briefly,
   then raise StoreUnavailable. Since the lock is exclusive, a partial run found by a read-write open was
   left by a dead writer (or by this process) and is removed at once;
-- read-only opens work beside a live writer, except while a checkpoint is applied ("checkpoint recovery is
-  pending"): a reader then waits for the writer, or, when no process holds the lock (the writer died
-  mid-checkpoint), completes the recovery with a brief read-write open;
-- user queries run in `BEGIN TRANSACTION READ ONLY`, so a write is refused even on a read-write open.
+- read-only opens work beside a live writer, except while it applies a checkpoint ("checkpoint recovery is
+  pending") or appends to the WAL ("Checksum verification failed": a record half written): a reader then
+  waits for the writer, or, when no process holds the lock (the writer died), completes the recovery with a
+  brief read-write open;
+- reads follow headgraph.loader.readonly (allow-listed statements and plan operators, a query timeout, a
+  bounded buffer pool for read-only opens) and run in `BEGIN TRANSACTION READ ONLY`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ import pandas as pd
 import pyarrow as pa
 
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.loader.readonly import (
+    LADYBUG_UNPLANNABLE,
+    READ_BUFFER_POOL,
+    check_ladybug_plan,
+    check_statement,
+    memory_exceeded,
+    query_timeout,
+    time_exceeded,
+)
 from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
     EDGE_PROPERTIES,
@@ -75,32 +86,36 @@ def _first_line(error: Exception) -> str:
 
 
 def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.Database:
-    """Open, waiting up to `lock_timeout` s while another process holds the write lock (read-write) or applies
-    a checkpoint (read-only); a reader completes a checkpoint that a dead writer left half-applied.
+    """Open, waiting up to `lock_timeout` s while another process holds the write lock (read-write) or is
+    caught mid-checkpoint or mid-WAL-record (read-only); a reader completes what a dead writer left half done.
     Automatic checkpoints are off: with them every batch's commit rewrote the growing file (0.5-0.7 s per
     5k-edge batch); the store checkpoints once per load (before the run is marked complete) or delete."""
     deadline = time.monotonic() + lock_timeout
     while True:
         try:
-            return ladybug.Database(path, read_only=read_only, auto_checkpoint=False)
+            pool = READ_BUFFER_POOL if read_only else 0  # 0: LadybugDB's default, 80% of the memory
+            return ladybug.Database(path, read_only=read_only, auto_checkpoint=False, buffer_pool_size=pool)
         except RuntimeError as e:
             message = str(e)
-            if "checkpoint recovery is pending" in message and _recover(path):
-                continue
-            if "Could not set lock" not in message and "checkpoint recovery is pending" not in message:
+            locked = "Could not set lock" in message
+            if read_only and not locked and _recover(path):
+                continue  # no process holds the store: its recovery is done, open again
+            if not read_only and not locked:
                 raise StoreUnavailable(f"cannot open the embedded store {path}: {_first_line(e)}") from None
             if time.monotonic() >= deadline:
                 holder = re.search(r"Lock is held by PID (\d+)", message)
                 by = f" (PID {holder.group(1)})" if holder else ""
+                seen = "" if locked else f" ({_first_line(e)})"
                 raise StoreUnavailable(
-                    f"the embedded store {path} is in use by another process{by}; "
+                    f"the embedded store {path} is in use by another process{by}{seen}; "
                     "wait for it to finish or pass another --db PATH"
                 ) from None
             time.sleep(0.2)
 
 
 def _recover(path: str) -> bool:
-    """Complete a half-applied checkpoint with a read-write open; False while a live writer holds the lock."""
+    """Complete what a dead writer left (a half-applied checkpoint, a torn WAL tail) with a read-write open;
+    False while a live writer holds the lock."""
     try:
         ladybug.Database(path, auto_checkpoint=False).close()
     except RuntimeError as e:
@@ -196,14 +211,26 @@ class LadybugStore(GraphStore):
             raise
 
     def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
+        """Plan the statement (EXPLAIN), check the plan, then run it; see headgraph.loader.readonly."""
+        statement = check_statement(cypher, LADYBUG_UNPLANNABLE)
+        values = dict(params or {})
+        self._conn.set_query_timeout(round(query_timeout() * 1000))
         try:
-            (result,) = self._execute_in_transaction("BEGIN TRANSACTION READ ONLY", [(cypher, dict(params or {}))])
+            (plan,) = self._execute_in_transaction("BEGIN TRANSACTION READ ONLY", [(f"EXPLAIN {statement}", values)])
+            check_ladybug_plan(plan.get_all()[0][0])
+            (result,) = self._execute_in_transaction("BEGIN TRANSACTION READ ONLY", [(statement, values)])
         except RuntimeError as e:
-            if any(marker in str(e) for marker in _READ_ONLY_REFUSALS):
-                raise ReadOnlyViolation("this Cypher would write; only read queries are allowed here") from None
-            raise UsageError(f"LadybugDB rejected the query: {_first_line(e)}") from None
-        if isinstance(result, list):
-            result = result[-1]
+            message = _first_line(e)
+            if any(marker in message for marker in _READ_ONLY_REFUSALS):
+                raise ReadOnlyViolation("refused: the query would write; only reads run here") from None
+            if message == "Interrupted.":
+                raise time_exceeded() from None
+            if message.startswith("Buffer manager exception"):
+                size = f"{READ_BUFFER_POOL >> 20} MiB " if self.read_only else ""
+                raise memory_exceeded(f"the embedded store's {size}buffer pool") from None
+            raise UsageError(f"LadybugDB rejected the query: {message}") from None
+        finally:
+            self._conn.set_query_timeout(0)
         return Rows(result.get_column_names(), [[_plain(v) for v in row] for row in result.get_all()])
 
     def _write_edges(self, kind: str, edges: pd.DataFrame) -> None:

@@ -1,5 +1,6 @@
 """The Neo4j store: uniqueness constraints and indexes created before loading, batched managed transactions,
-user queries in READ_ACCESS sessions through `execute_read` (the server refuses writes there).
+reads in READ_ACCESS sessions, checked and bounded by headgraph.loader.readonly (plan allow-list, transaction
+timeout; no driver retries, so a bound that is hit fails at once with one line).
 
 Edge load speed (250k edges, 14 properties each, 2 cores; benchmarks/bench_load.py): the client was the
 bottleneck: packing 5k rows as dicts took 0.33 s in the pure-Python PackStream encoder. With the Rust
@@ -10,8 +11,10 @@ relationship properties. Tried without gain: edges grouped per source head, sort
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import neo4j
 import pandas as pd
@@ -20,6 +23,14 @@ from neo4j.exceptions import AuthError, ClientError, ConfigurationError, Neo4jEr
 from neo4j.graph import Node, Path, Relationship
 
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.loader.readonly import (
+    check_neo4j_plan,
+    check_statement,
+    memory_exceeded,
+    neo4j_memory_bound,
+    query_timeout,
+    time_exceeded,
+)
 from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
     EDGE_PROPERTIES,
@@ -47,9 +58,28 @@ def _first_line(error: Exception) -> str:
 
 
 def connect(uri: str, user: str, password: str) -> neo4j.Driver:
-    """A driver with verified connectivity and credentials; failures become one-line StoreUnavailable."""
+    """A driver with verified connectivity and credentials; failures become one-line StoreUnavailable.
+
+    A lost server fails fast: managed transactions are retried for 2 s (driver default 30 s, and a failed load
+    runs two: the batch, then the clean-up), new connections time out after 5 s. The driver logs its retries and
+    dropped connections as warnings and errors, which the one-line StoreUnavailable replaces: unless the
+    application gave the `neo4j` logger a handler, they go to a NullHandler instead of stderr."""
+    schemes = ("bolt", "bolt+s", "bolt+ssc", "neo4j", "neo4j+s", "neo4j+ssc")
     try:
-        driver = GraphDatabase.driver(uri, auth=(user, password), notifications_min_severity="OFF")
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 - parses the port, raising ValueError for a bad one
+    except ValueError as e:
+        raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({e}); use e.g. bolt://127.0.0.1:7687") from None
+    if parts.scheme not in schemes:
+        raise StoreUnavailable(f"bad Neo4j URI {uri!r}: headgraph talks Bolt: use one of {', '.join(schemes)}, "
+                               "e.g. bolt://127.0.0.1:7687")
+    driver_log = logging.getLogger("neo4j")
+    if not driver_log.handlers:
+        driver_log.addHandler(logging.NullHandler())
+    try:
+        driver = GraphDatabase.driver(uri, auth=(user, password), notifications_min_severity="OFF",
+                                      max_transaction_retry_time=2.0, connection_timeout=5.0,
+                                      connection_acquisition_timeout=10.0)
     except (ConfigurationError, ValueError) as e:
         raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({_first_line(e)}); use e.g. bolt://127.0.0.1:7687") from None
     try:
@@ -110,7 +140,9 @@ class Neo4jStore(GraphStore):
         try:
             return work()
         except (ServiceUnavailable, SessionExpired) as e:
-            raise StoreUnavailable(f"lost the connection to {self.description}: {_first_line(e)}") from None
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__  # the innermost cause
+            raise StoreUnavailable(f"lost the connection to {self.description}: {reason}; check that it is running "
+                                   "and rerun") from None
         except ClientError as e:
             if e.code in ACCESS_MODE_CODES:
                 raise ReadOnlyViolation("this Cypher would write; only read queries are allowed here") from None
@@ -162,17 +194,25 @@ class Neo4jStore(GraphStore):
         return self._guarded(run)
 
     def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
-        def work(tx) -> Rows:
-            result = tx.run(cypher, dict(params or {}))
-            return Rows(list(result.keys()), [[_plain(v) for v in record.values()] for record in result])
+        """Plan the statement (EXPLAIN), check the plan, then run it in the same transaction, which the server
+        ends after query_timeout() s; see headgraph.loader.readonly."""
+        statement = check_statement(cypher)
+        values = dict(params or {})
 
         def run() -> Rows:
-            with self._session(neo4j.READ_ACCESS) as session:
-                return session.execute_read(work)
+            with self._session(neo4j.READ_ACCESS) as session, session.begin_transaction(timeout=query_timeout()) as tx:
+                summary = tx.run(f"EXPLAIN {statement}", values).consume()
+                check_neo4j_plan(summary.query_type, summary.plan)
+                result = tx.run(statement, values)
+                return Rows(list(result.keys()), [[_plain(v) for v in record.values()] for record in result])
 
         try:
             return self._guarded(run)
         except Neo4jError as e:
+            if e.code == "Neo.ClientError.Transaction.TransactionTimedOutClientConfiguration":
+                raise time_exceeded() from None
+            if e.code == "Neo.TransientError.General.MemoryPoolOutOfMemoryError":
+                raise memory_exceeded(neo4j_memory_bound(_first_line(e))) from None
             raise UsageError(f"Neo4j rejected the query: {_first_line(e)}") from None
 
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
