@@ -25,12 +25,16 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2
 
 def parse_memory_size(ctx, param, value):
     """'2GiB', '512MB', '1e9' or a byte count -> bytes (click callback)."""
+    import math
     import re
 
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
     if not match or match[2] not in _SIZE_UNITS or float(match[1]) * _SIZE_UNITS[match[2]] < 1:
         raise click.BadParameter(f"{value!r} is not a size like 2GiB, 512MB or 1000000000")
-    return int(float(match[1]) * _SIZE_UNITS[match[2]])
+    size = float(match[1]) * _SIZE_UNITS[match[2]]
+    if not math.isfinite(size):
+        raise click.BadParameter(f"{value!r} is too large a size; give one like 2GiB, 512MB or 1000000000")
+    return int(size)
 
 
 DEVICE_OPTION = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
@@ -88,7 +92,9 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
         max_memory=max_memory, full_matrix=full_matrix, null_heads=null_heads, reference_samples=reference_samples,
         roles=roles, role_options={**ROLE_DEFAULTS, "n_inputs": n_inputs, "correction": correction},
         policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report)
-    outcome = run_analyze(model, options, console=Console(stderr=True))
+    console = Console(stderr=True)
+    # progress bars only on a terminal: in a pipe or log they are frames of noise around the one-line error
+    outcome = run_analyze(model, options, console=console, progress=console.is_terminal)
     data = summary_data(outcome)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))

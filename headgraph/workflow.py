@@ -5,7 +5,6 @@ results went. The store comes last so that a run marked complete there is never 
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -18,8 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from headgraph.analysis.artifacts import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_artifacts
 from headgraph.analysis.centrality import head_centrality, hub_report
-from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run, with_pair_endpoints
 from headgraph.errors import UsageError
+from headgraph.files import writable_folder
+from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run, with_pair_endpoints
 from headgraph.loader.store import StoreSpec
 
 ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
@@ -72,19 +72,12 @@ def _progress(console: Console, enabled: bool) -> Progress:
     return Progress(*columns, console=console, disable=not enabled, transient=False)
 
 
-def _check_store(spec: StoreSpec) -> str:
-    """Open and close the chosen store before any long computation, so a bad URI or password fails at once."""
-    with spec.open() as store:
-        return store.description
-
-
 def _check_folder(folder: Path) -> None:
     """Fail before any computation when the run folder cannot be created or written."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--out {folder} exists and is not a folder; choose another path")
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write the run folder {folder}: {existing} is not writable; choose another --out")
+    if writable_folder(folder) is None:
+        raise UsageError(f"cannot write the run folder {folder}: no file can be created there; choose another --out")
 
 
 def _clear_earlier_run(folder: Path) -> None:
@@ -116,10 +109,14 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
     resolve_model(model_name)  # an unknown model fails here, before the store is touched
     _check_folder(Path(options.out_dir or "runs"))
-    store_description = _check_store(options.store) if options.store is not None else None
+    store_description = options.store.check() if options.store is not None else None
 
     with console.status(f"loading {model_name}"):
         model = load_model(model_name, processing=options.processing, device=device)
+    if options.roles:
+        from headgraph.analysis.roles import check_tokenizer
+
+        check_tokenizer(model)  # before the PK work, not after it
     result = analyze(model, types, full_matrix=options.full_matrix, device=device, dtype=options.dtype,
                      seed=options.seed, max_memory=options.max_memory, null_heads=options.null_heads,
                      reference_samples=options.reference_samples, console=console, progress=progress)

@@ -232,3 +232,42 @@ def test_runs_delete_refuses_a_run_a_live_writer_is_still_storing(tmp_path, synt
     assert listed[run_id]["status"] == "complete" and listed[run_id]["edges"] == pair_count(2, 4)
     for name in (run_id, json.loads((tmp_path / "other" / "run.json").read_text())["id"]):
         assert headgraph("runs", "delete", name, *store_args, env=env).returncode == 0
+
+
+WRITER = r"""
+import sys, time
+
+sys.path.insert(0, sys.argv[2])
+from _pairs import planted_pairs
+
+from headgraph.loader.graph import SelectionPolicy, build_run_graph
+from headgraph.loader.ladybug_store import LadybugStore
+
+pairs, heads = planted_pairs(n_layers=12, n_heads=12, types=[s + t for s in "QKVO" for t in "QKVO"])
+graph = build_run_graph(pairs, heads, {"id": "busy", "model": "toy"}, SelectionPolicy(top_k=None))
+with LadybugStore(sys.argv[1]) as store:
+    print("writing", flush=True)
+    deadline = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < deadline:  # each load: delete + checkpoint, load, checkpoint, mark, checkpoint
+        store.load_run(graph, progress=False)
+"""
+
+
+def test_readers_never_fail_while_a_live_writer_loads_and_checkpoints(tmp_path):
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    path = tmp_path / "graph.lbdb"
+    LadybugStore(path).close()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), os.path.dirname(__file__), "12"],
+                              stdout=subprocess.PIPE, text=True)
+    reads, complete = 0, 0
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        while writer.poll() is None:
+            with LadybugStore(path, read_only=True) as reader:  # raises StoreUnavailable if a read fails
+                complete += [r["status"] for r in reader.runs()].count("complete")
+            reads += 1
+    finally:
+        writer.kill() if writer.poll() is None else None
+        assert writer.wait(timeout=60) == 0
+    assert reads > 20 and complete > 0
