@@ -19,8 +19,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headgraph.loader.graph import RunGraph, SelectionPolicy, edge_rows, head_rows, select_edges
-from headgraph.loader.store import open_store
+from headgraph.analysis.selection import SelectionPolicy, select_edges
+from headgraph.loader.graph import edge_rows, head_rows
+from headgraph.loader.open_store import open_store
+from headgraph.loader.store import RunGraph
 
 RUN_ID = "bench-load"
 

@@ -1,13 +1,16 @@
 """The `headgraph` command line: one click group, each command a thin layer over the library."""
 
+import functools
 import sys
+from collections.abc import Callable
 
 import click
 
 from headgraph import __version__
+from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
 from headgraph.errors import HeadgraphError
-from headgraph.loader.graph import selection_options
-from headgraph.loader.store import store_options
+from headgraph.loader.open_store import StoreSpec
+from headgraph.loader.store import DEFAULT_DB
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,6 +38,35 @@ def parse_memory_size(ctx, param, value):
     if not math.isfinite(size):
         raise click.BadParameter(f"{value!r} is too large a size; give one like 2GiB, 512MB or 1000000000")
     return int(size)
+
+
+def selection_options(command: Callable) -> Callable:
+    """Click options --top-k / --max-q / --min-z, passed to the command as one `policy: SelectionPolicy`."""
+
+    @click.option("--min-z", type=float, default=None, metavar="Z", help="Keep edges with isotropic z >= Z.")
+    @click.option("--max-q", type=float, default=None, metavar="Q", help="Keep edges with calibrated q_model <= Q (BH).")
+    @click.option(
+        "--top-k", type=click.IntRange(min=0), default=DEFAULT_TOP_K, show_default=True, metavar="N",
+        help="Keep the N strongest edges per weight-pair type (0: no per-type limit).",
+    )
+    @functools.wraps(command)
+    def wrapper(*args, top_k, max_q, min_z, **kwargs):
+        return command(*args, policy=SelectionPolicy(top_k or None, max_q, min_z), **kwargs)
+
+    return wrapper
+
+
+def store_options(command: Callable) -> Callable:
+    """Click options --db / --neo4j / --neo4j-user, passed to the command as one `store: StoreSpec`."""
+
+    @click.option("--db", default=None, metavar="PATH", help=f"Embedded LadybugDB store (env HEADGRAPH_DB, default {DEFAULT_DB}).")
+    @click.option("--neo4j", "neo4j", default=None, metavar="URI", help="Use a Neo4j server, e.g. bolt://127.0.0.1:7687 (env NEO4J_URI).")
+    @click.option("--neo4j-user", default=None, metavar="USER", help="Neo4j user (env NEO4J_USER, default neo4j); password from env NEO4J_PASSWORD.")
+    @functools.wraps(command)
+    def wrapper(*args, db, neo4j, neo4j_user, **kwargs):
+        return command(*args, store=StoreSpec(db, neo4j, neo4j_user), **kwargs)
+
+    return wrapper
 
 
 DEVICE_OPTION = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
@@ -84,7 +116,7 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
 
     from rich.console import Console
 
-    from headgraph.summary import print_summary, summary_data
+    from headgraph.report.summary import print_summary, summary_data
     from headgraph.workflow import ROLE_DEFAULTS, AnalyzeOptions, run_analyze
 
     options = AnalyzeOptions(
@@ -204,7 +236,8 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identi
     from rich.progress import Progress
     from rich.table import Table
 
-    from headgraph.analysis.roles import compute_roles, identity_map as identity_array, role_table
+    from headgraph.analysis.roles import compute_roles, role_table
+    from headgraph.analysis.roles import identity_map as identity_array
     from headgraph.loader.models import load_model
 
     loaded = load_model(model, processing="raw", device=device)
@@ -304,7 +337,7 @@ def report_command(run, classes_name, out_dir, policy, store):
     from rich.progress import Progress
 
     from headgraph.analysis.classes import load_classes
-    from headgraph.report import FIGURE_COUNT, load_run, render_report, resolve_run_dir
+    from headgraph.report.report import FIGURE_COUNT, load_run, render_report, resolve_run_dir
 
     loaded = load_run(resolve_run_dir(run, store))
     classes = load_classes(classes_name) if classes_name else None
@@ -330,8 +363,8 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
     """Edges and roles that appear, vanish or change most from RUN_A to RUN_B (same architecture)."""
     import json
 
-    from headgraph.compare import compare_runs, comparison_json, print_comparison
-    from headgraph.report import load_run, resolve_run_dir
+    from headgraph.report.compare import compare_runs, comparison_json, print_comparison
+    from headgraph.report.report import load_run, resolve_run_dir
 
     comparison = compare_runs(load_run(resolve_run_dir(run_a, store)), load_run(resolve_run_dir(run_b, store)),
                               policy, changes)
@@ -351,7 +384,7 @@ def neo4j_group():
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for Bolt.")
 def neo4j_start(print_env, timeout):
     """Assemble once, start in the background, wait for Bolt (no-op when already running)."""
-    from headgraph.neo4j_local import LocalServer, env_lines, start
+    from headgraph.neo4j_local.server import LocalServer, env_lines, start
 
     server = LocalServer.from_env()
     start(server, timeout=timeout, log=lambda m: click.echo(m, err=print_env))
@@ -361,7 +394,7 @@ def neo4j_start(print_env, timeout):
 @neo4j_group.command("stop")
 def neo4j_stop():
     """Stop the local server cleanly (SIGTERM; SIGKILL only if it hangs)."""
-    from headgraph.neo4j_local import LocalServer, stop
+    from headgraph.neo4j_local.server import LocalServer, stop
 
     stop(LocalServer.from_env(), log=click.echo)
 
@@ -370,7 +403,7 @@ def neo4j_stop():
 def neo4j_status():
     """URI, pid and server version of the local server; exit 3 when it is not running."""
     from headgraph.errors import StoreUnavailable
-    from headgraph.neo4j_local import LocalServer, status
+    from headgraph.neo4j_local.server import LocalServer, status
 
     server = LocalServer.from_env()
     running = status(server)
@@ -382,7 +415,7 @@ def neo4j_status():
 @neo4j_group.command("browser")
 def neo4j_browser():
     """Where Neo4j Browser is, how to connect, and how to load headgraph's style and guide."""
-    from headgraph.neo4j_local import LocalServer, browser_hint
+    from headgraph.neo4j_local.server import LocalServer, browser_hint
 
     click.echo("\n".join(browser_hint(LocalServer.from_env())))
 
@@ -421,7 +454,6 @@ def doctor(db, neo4j_uri):
     from rich.table import Table
 
     from headgraph.doctor import report
-    from headgraph.loader.store import DEFAULT_DB
 
     table = Table(title="headgraph doctor", show_header=False)
     rows = report(

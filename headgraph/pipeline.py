@@ -2,7 +2,6 @@
 progress. Stages: subspaces -> projection kernel -> isotropic reference -> model-matched null ->
 composition scores -> tables. Each stage reads and extends a shared `AnalysisState`."""
 
-import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,15 +16,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from headgraph import __version__
 from headgraph.analysis import reference, significance
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, AnalysisResult, head_index
-from headgraph.analysis.composition import COMPOSITION_TYPES, composition_scores
+from headgraph.analysis.composition import composition_scores
 from headgraph.analysis.pk import DEFAULT_MAX_MEMORY, pair_mask, pk_matrix, plan_pk
-from headgraph.analysis.subspaces import WEIGHT_TYPES, model_subspaces, rank_deficient_heads
+from headgraph.analysis.subspaces import model_subspaces, rank_deficient_heads
 from headgraph.errors import UsageError
+from headgraph.heads import COMPOSITION_TYPES, DEFAULT_TYPES, TYPE_PAIRS, WEIGHT_TYPES, head_name
 
-__all__ = ["AnalysisResult", "analyze", "parse_types", "resolve_device", "DEFAULT_TYPES", "ALL_TYPES"]
+__all__ = ["AnalysisResult", "analyze", "parse_types", "resolve_device"]
 
-DEFAULT_TYPES = ("OQ", "OK", "OV")
-ALL_TYPES = tuple(a + b for a, b in itertools.product(WEIGHT_TYPES, WEIGHT_TYPES))
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEFAULT_REFERENCE_SAMPLES = 100_000
 DEFAULT_NULL_HEADS = 200
@@ -77,7 +75,7 @@ def parse_types(types) -> tuple[str, ...]:
     """("OQ", "OK") / "oq,ok" / "all" -> a tuple of distinct upper-case type pairs, in {Q,K,V,O}^2."""
     items = [t.strip() for t in types.split(",")] if isinstance(types, str) else list(types)
     if [t.lower() for t in items] == ["all"]:
-        return ALL_TYPES
+        return TYPE_PAIRS
     parsed = tuple(dict.fromkeys(t.upper() for t in items))
     bad = [t for t in parsed if len(t) != 2 or any(c not in WEIGHT_TYPES for c in t)]
     if bad or not parsed:
@@ -108,11 +106,9 @@ def _kv_group(model) -> int:
     return model.cfg["n_heads"] // model.cfg.get("n_kv_heads", model.cfg["n_heads"])
 
 
-def head_name(layer: int, head: int, weight_type: str, kv_group: int) -> str:
+def typed_head_name(layer: int, head: int, weight_type: str, kv_group: int) -> str:
     """L{l}H{h}; K/V heads of grouped-query models are native KV heads, named L{l}KV{g}."""
-    if kv_group > 1 and weight_type in ("K", "V"):
-        return f"L{layer}KV{head}"
-    return f"L{layer}H{head}"
+    return head_name(layer, head, kv=kv_group > 1 and weight_type in ("K", "V"))
 
 
 def stage_subspaces(state: AnalysisState, progress: Progress) -> None:
@@ -234,7 +230,7 @@ def stage_composition(state: AnalysisState, progress: Progress) -> None:
             w = state.weights
             layers = state.subspaces["Q"].flat_layers()
             mask = pair_mask(layers, layers, opts.full_matrix, same_type=False)
-            cs = composition_scores(w["Q"], w["K"], w["V"], w["O"], COMPOSITION_TYPES[tp], mask, opts.max_memory)
+            cs = composition_scores(w["Q"], w["K"], w["V"], w["O"], tp[1], mask, opts.max_memory)
             edges.columns["cs"] = cs.cpu().double().numpy()[edges.src, edges.tgt]
             progress.advance(task)
 
@@ -246,8 +242,8 @@ def _pairs_table(state: AnalysisState) -> pd.DataFrame:
         src_sub, tgt_sub = state.subspaces[tp[0]], state.subspaces[tp[1]]
         src_layer, src_head = edges.src // src_sub.n_heads, edges.src % src_sub.n_heads
         tgt_layer, tgt_head = edges.tgt // tgt_sub.n_heads, edges.tgt % tgt_sub.n_heads
-        sources = [head_name(l, h, tp[0], kv_group) for l, h in zip(src_layer.tolist(), src_head.tolist())]
-        targets = [head_name(l, h, tp[1], kv_group) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]
+        sources = [typed_head_name(l, h, tp[0], kv_group) for l, h in zip(src_layer.tolist(), src_head.tolist())]
+        targets = [typed_head_name(l, h, tp[1], kv_group) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]
         frames.append(pd.DataFrame({
             # str also when empty (a 1-layer model has no earlier -> later pairs)
             "source": pd.Series(sources, dtype=str), "target": pd.Series(targets, dtype=str),

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from headgraph.analysis.artifacts import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_artifacts
-from headgraph.analysis.centrality import head_centrality, hub_report
+from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
 from headgraph.errors import UsageError
 from headgraph.files import writable_folder
-from headgraph.loader.graph import SelectionPolicy, class_labels, select_edges, store_run, with_pair_endpoints
-from headgraph.loader.store import StoreSpec
+from headgraph.heads import DEFAULT_TYPES
+from headgraph.loader.graph import build_run_graph
+from headgraph.loader.open_store import StoreSpec
 
 ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
 
@@ -30,7 +30,7 @@ class AnalyzeOptions:
     """What `headgraph analyze` was asked to do, besides which model."""
 
     out_dir: str | None = None
-    types: tuple[str, ...] = ("OQ", "OK", "OV")
+    types: tuple[str, ...] = DEFAULT_TYPES
     processing: str = "tl"
     device: str | None = None
     dtype: str = "float32"
@@ -49,13 +49,12 @@ class AnalyzeOptions:
 
 @dataclass
 class AnalyzeOutcome:
-    """A finished analyze: the result tables, the selected graph's hubs, and where everything went."""
+    """A finished analyze: the result tables, the selected graph, and where everything went."""
 
     run_id: str
     folder: Path
     result: AnalysisResult
-    edges: pd.DataFrame
-    hubs: dict
+    selected: SelectedGraph
     store: str | None
     report: dict[str, Path]
 
@@ -102,7 +101,7 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     from headgraph.analysis.classes import load_classes
     from headgraph.loader.models import load_model, resolve_model
     from headgraph.pipeline import analyze, parse_types, resolve_device
-    from headgraph.report import default_classes, render_report
+    from headgraph.report.report import default_classes, render_report
 
     console = console or Console(stderr=True)
     types, device = parse_types(options.types), resolve_device(options.device)
@@ -128,22 +127,18 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             _add_roles(result, model, options, bar)
         _clear_earlier_run(folder)
         write_artifacts(result, folder)
-        edges = select_edges(result.pairs, options.policy)
-        heads = with_pair_endpoints(result.heads, result.pairs)["head"].tolist()  # GQA: KV heads are nodes too
-        centrality = head_centrality(edges, heads)  # once, for the summary, the store and the report
-        hubs = hub_report(centrality, edges)
+        selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         paths = {}
         if options.report:
-            from headgraph.report import FIGURE_COUNT
+            from headgraph.report.report import FIGURE_COUNT
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            paths = render_report(folder, policy=options.policy, classes=classes,
-                                  advance=lambda: bar.advance(task), centrality=centrality)
+            paths = render_report(folder, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
+                                  selected=selected)
         if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
-            task = bar.add_task(f"storing {len(edges)} edges in {store_description}", total=1)
+            task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
+            graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
             with options.store.open() as store:
-                store_run(store, result.pairs, result.heads, result.run, options.policy,
-                          classes=class_labels(classes) if classes is not None else None, progress=False,
-                          centrality=centrality)
+                store.load_run(graph, progress=False)
             bar.advance(task)
-    return AnalyzeOutcome(run_id, folder, result, edges, hubs, store_description, paths)
+    return AnalyzeOutcome(run_id, folder, result, selected, store_description, paths)

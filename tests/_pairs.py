@@ -9,7 +9,15 @@ them and the hub has by far the highest degree.
 import numpy as np
 import pandas as pd
 
+from headgraph.analysis.selection import SelectionPolicy, select_graph
+from headgraph.loader.graph import build_run_graph
+
 HUB = "L2H1"
+
+
+def run_graph(pairs, heads, run, policy=SelectionPolicy(), classes=None):
+    """The stored graph of a run, built as `headgraph analyze` builds it: select once, then shape the rows."""
+    return build_run_graph(select_graph(pairs, heads, policy), run, classes)
 
 
 def planted_pairs(n_layers=6, n_heads=4, types=("OQ", "OK", "OV"), seed=0, hub=HUB, boost=1.0):

@@ -61,7 +61,7 @@ def neo4j_driver(neo4j_config):
 def local_neo4j():
     """The scripts/neo4j-local server (headgraph.neo4j_local.LocalServer), with Browser and its style/guide server;
     started here, and stopped at the end, only when it was not already running."""
-    from headgraph.neo4j_local import LocalServer, start, status, stop
+    from headgraph.neo4j_local.server import LocalServer, start, status, stop
 
     server = LocalServer.from_env()
     was_running = status(server) is not None
@@ -85,9 +85,9 @@ def neo4j_run_id(neo4j_driver):
 # ---- loader fixtures (helper "loader"): tiny synthetic and planted models saved as local HF folders ----
 import pytest as _loader_pytest
 
-from headgraph.analysis.planted import PlantSpec as _PlantSpec
-from headgraph.analysis.planted import save_planted as _save_planted
-from headgraph.loader.synthetic import save_synthetic as _save_synthetic
+from headgraph.testing.planted import PlantSpec as _PlantSpec
+from headgraph.testing.planted import save_planted as _save_planted
+from headgraph.testing.synthetic import save_synthetic as _save_synthetic
 
 
 @_loader_pytest.fixture(scope="session")

@@ -144,7 +144,7 @@ def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, c
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
-    from headgraph.loader.synthetic import save_synthetic_gqa
+    from headgraph.testing.synthetic import save_synthetic_gqa
 
     folder = save_synthetic_gqa(tmp_path_factory.mktemp("gqa") / "llama-gqa", n_layers=2, n_heads=4, n_kv_heads=2)
     return load_model(folder, processing="tl", device="cpu")

@@ -23,9 +23,9 @@ import networkx as nx
 import pandas as pd
 import pytest
 
-from headgraph.figures import TYPE_COLORS
+from headgraph.report.figures import TYPE_COLORS
 
-BROWSER_DIR = Path(__file__).resolve().parents[1] / "headgraph" / "browser"
+BROWSER_DIR = Path(__file__).resolve().parents[1] / "headgraph" / "neo4j_local" / "browser"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TOP_K = 5
 
@@ -117,7 +117,7 @@ def assets_server():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "headgraph.browser.assets_server", "--port", str(port)])
+    process = subprocess.Popen([sys.executable, "-m", "headgraph.neo4j_local.browser.assets_server", "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
@@ -145,7 +145,7 @@ def test_the_assets_server_hands_browser_the_two_files_with_cors(assets_server):
         assert {"pragma", "cache-control"} <= allowed
 
 
-@pytest.mark.parametrize("path", ["/assets_server.py", "/__init__.py", "/../neo4j_local.py", "/"])
+@pytest.mark.parametrize("path", ["/assets_server.py", "/__init__.py", "/../server.py", "/"])
 def test_the_assets_server_serves_nothing_else(assets_server, path):
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(f"{assets_server}{path}")

@@ -7,7 +7,7 @@ import pytest
 from _pairs import HUB, planted_pairs
 
 from headgraph.analysis.centrality import MEASURES, head_centrality, hub_report
-from headgraph.loader.graph import SelectionPolicy, select_edges
+from headgraph.analysis.selection import SelectionPolicy, select_edges
 
 HEADS = ["a", "b", "c", "d", "e"]
 EDGES = pd.DataFrame(

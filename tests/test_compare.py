@@ -4,13 +4,13 @@ import json
 
 import numpy as np
 import pytest
-
 from _runfolder import build_bases, plant, write_run
+
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
-from headgraph.compare import compare_runs
 from headgraph.errors import UsageError
-from headgraph.loader.graph import SelectionPolicy
-from headgraph.report import load_run
+from headgraph.report.compare import compare_runs
+from headgraph.report.report import load_run
 
 D_MODEL, D_HEAD = 64, 8
 PLANTED = ("L1H2", "L3H1", "OK")
@@ -108,9 +108,9 @@ def test_cli_json_and_table(runs, capsys):
 def planted_checkpoints(tmp_path_factory):
     """Two planted GPT-2 checkpoints, run through the PK pipeline, that differ by one planted edge."""
     from headgraph.analysis.artifacts import write_artifacts
-    from headgraph.analysis.planted import PlantSpec, save_planted
     from headgraph.loader.models import load_model
     from headgraph.pipeline import analyze
+    from headgraph.testing.planted import PlantSpec, save_planted
 
     root = tmp_path_factory.mktemp("checkpoints")
     full = PlantSpec()

@@ -31,9 +31,8 @@ def test_doctor_says_why_neo4j_is_unreachable(tmp_path):
 
 
 def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path):
-    from _pairs import planted_pairs
+    from _pairs import planted_pairs, run_graph
 
-    from headgraph.loader.graph import build_run_graph
     from headgraph.loader.ladybug_store import LadybugStore
 
     pairs, heads = planted_pairs()
@@ -44,9 +43,9 @@ def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path)
             raise KeyboardInterrupt
 
     with LadybugStore(path) as store:
-        store.load_run(build_run_graph(pairs, heads, {"id": "done", "model": "toy"}), progress=False)
+        store.load_run(run_graph(pairs, heads, {"id": "done", "model": "toy"}), progress=False)
         try:
-            store.load_run(build_run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
+            store.load_run(run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
                            after_batch=stop_half_way, cleanup_on_error=False, progress=False)
         except KeyboardInterrupt:
             pass

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from headgraph.loader.synthetic import save_synthetic
+from headgraph.testing.synthetic import save_synthetic
 
 KILLER = r"""
 import os, signal, sys, threading, time
@@ -175,29 +175,28 @@ def test_kill_9_during_a_neo4j_load_loses_nothing_reported_done(tmp_path, neo4j_
 INTERRUPT_IN_REPORT = r"""
 import os, signal, sys
 
-import headgraph.report
 from headgraph.cli import main
+from headgraph.report import report
 
-render = headgraph.report.render_report
+render = report.render_report
 
 def interrupted(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the report renders
     return render(*args, **kwargs)
 
-headgraph.report.render_report = interrupted
+report.render_report = interrupted
 main(sys.argv[1:])
 """
 
 
 def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
-    from _pairs import planted_pairs
+    from _pairs import planted_pairs, run_graph
 
-    from headgraph.loader.graph import build_run_graph
     from headgraph.loader.ladybug_store import LadybugStore
 
     path = tmp_path / "graph.lbdb"
     with LadybugStore(path) as store:
-        store.load_run(build_run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}), progress=False)
+        store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}), progress=False)
     env = {**os.environ, "NEO4J_URI": ""}
     process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles",
                               "--null-heads", "2", "--reference-samples", "100", "--out", str(tmp_path / "run"),
@@ -238,13 +237,13 @@ WRITER = r"""
 import sys, time
 
 sys.path.insert(0, sys.argv[2])
-from _pairs import planted_pairs
+from _pairs import planted_pairs, run_graph
 
-from headgraph.loader.graph import SelectionPolicy, build_run_graph
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.loader.ladybug_store import LadybugStore
 
 pairs, heads = planted_pairs(n_layers=12, n_heads=12, types=[s + t for s in "QKVO" for t in "QKVO"])
-graph = build_run_graph(pairs, heads, {"id": "busy", "model": "toy"}, SelectionPolicy(top_k=None))
+graph = run_graph(pairs, heads, {"id": "busy", "model": "toy"}, SelectionPolicy(top_k=None))
 with LadybugStore(sys.argv[1]) as store:
     print("writing", flush=True)
     deadline = time.monotonic() + float(sys.argv[3])

@@ -8,12 +8,12 @@ import matplotlib.image as mimage
 import numpy as np
 import pandas as pd
 import pytest
+from _runfolder import build_bases, plant, write_run
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from _runfolder import build_bases, plant, write_run
-from headgraph import figures
-from headgraph.loader.graph import SelectionPolicy, select_edges
-from headgraph.report import load_run
+from headgraph.analysis.selection import SelectionPolicy, select_edges
+from headgraph.report import figures
+from headgraph.report.report import load_run
 
 N_LAYERS, N_HEADS, D_MODEL, D_HEAD = 4, 4, 64, 8
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from headgraph.errors import BadWeights, ModelUnavailable, UsageError
 from headgraph.loader.models import load_model, minilm_dir, offline_models, resolve_model
-from headgraph.loader.synthetic import random_gpt2_state, save_synthetic, save_synthetic_gqa
+from headgraph.testing.synthetic import random_gpt2_state, save_synthetic, save_synthetic_gqa
 
 IOI = "When Mary and John went to the store, John gave a drink to"
 

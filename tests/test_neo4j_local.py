@@ -16,7 +16,7 @@ import pytest
 from neo4j.exceptions import AuthError
 
 from headgraph.errors import StoreUnavailable
-from headgraph.neo4j_local import (
+from headgraph.neo4j_local.server import (
     BROWSER_VERSION,
     LOCK_FILE,
     JarSources,

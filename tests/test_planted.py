@@ -11,9 +11,9 @@ import pytest
 import torch
 from scipy.linalg import subspace_angles
 
-from headgraph.analysis.planted import TRUTH_FILE, PlantedEdge, PlantSpec, save_planted
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
+from headgraph.testing.planted import TRUTH_FILE, PlantedEdge, PlantSpec, save_planted
 
 
 def pk(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from headgraph.analysis import prompts as P
 from headgraph.loader.models import minilm_dir
-from headgraph.loader.synthetic import save_tokenizer
+from headgraph.testing.synthetic import save_tokenizer
 
 SLOT_OF = {**{w: "ADJ" for w in P.ADJECTIVES}, **{w: "NOUN" for w in P.NOUNS}, **{w: "VERB" for w in P.VERBS},
            **{w: "ADV" for w in P.ADVERBS}}

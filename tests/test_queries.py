@@ -8,15 +8,15 @@ import uuid
 import networkx as nx
 import pandas as pd
 import pytest
-from _pairs import HUB, planted_pairs
+from _pairs import HUB, planted_pairs, run_graph
 from click.testing import CliRunner
 
 from headgraph.analysis.centrality import head_centrality
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import cli
 from headgraph.errors import UsageError
-from headgraph.loader.graph import SelectionPolicy, build_run_graph
 from headgraph.loader.ladybug_store import LadybugStore
-from headgraph.loader.store import open_store
+from headgraph.loader.open_store import open_store
 from headgraph.queries.runner import load_query, query_names, run_named
 
 SESSION = f"qtest-{uuid.uuid4().hex[:6]}"
@@ -29,9 +29,9 @@ IDENTITY = pd.DataFrame({"name": [HUB, "L5H3"], "identity_score": [0.9, 0.8], "i
 def graphs():
     pairs, heads = planted_pairs()
     run = {"model": "toy-model", "processing": "tl"}
-    a = build_run_graph(pairs, heads, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00"},
+    a = run_graph(pairs, heads, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00"},
                         SelectionPolicy(20), CLASSES)
-    b = build_run_graph(pairs, heads, {**run, "id": RUN_B, "created": "2026-01-02T00:00:00+00:00"},
+    b = run_graph(pairs, heads, {**run, "id": RUN_B, "created": "2026-01-02T00:00:00+00:00"},
                         SelectionPolicy(10), CLASSES)
     return a, b
 

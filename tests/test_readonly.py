@@ -20,14 +20,15 @@ import uuid
 import ladybug
 import neo4j
 import pytest
-from _pairs import HUB, planted_pairs
+from _pairs import HUB, planted_pairs, run_graph
 
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import ReadOnlyViolation
-from headgraph.loader.graph import SelectionPolicy, build_run_graph
+from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.ladybug_store import LadybugStore
+from headgraph.loader.open_store import open_store
 from headgraph.loader.readonly import check_ladybug_plan, check_neo4j_plan
-from headgraph.loader.store import KINDS, open_store
 from headgraph.queries.runner import query_names, run_named
 
 SESSION = f"rotest-{uuid.uuid4().hex[:6]}"
@@ -54,13 +55,13 @@ def refused(capsys, statement, *store_args):
 
 def small_graph():
     pairs, heads = planted_pairs()
-    return build_run_graph(pairs, heads, {"id": SMALL, "model": "ro-model", "processing": "tl"}, SelectionPolicy(20))
+    return run_graph(pairs, heads, {"id": SMALL, "model": "ro-model", "processing": "tl"}, SelectionPolicy(20))
 
 
 def dense_graph():
     """A random 12-layer x 12-head model's every pair of all 16 types (--types all --top-k 0): 152,064 edges."""
-    pairs, heads = planted_pairs(n_layers=12, n_heads=12, types=KINDS, boost=0.0)
-    return build_run_graph(pairs, heads, {"id": DENSE, "model": "ro-dense", "processing": "tl"}, SelectionPolicy(None))
+    pairs, heads = planted_pairs(n_layers=12, n_heads=12, types=TYPE_PAIRS, boost=0.0)
+    return run_graph(pairs, heads, {"id": DENSE, "model": "ro-dense", "processing": "tl"}, SelectionPolicy(None))
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 import pytest
-
 from _runfolder import build_bases, plant, write_run
+
 from headgraph.analysis.classes import HeadClasses
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import UsageError
-from headgraph.loader.graph import SelectionPolicy
-from headgraph.report import load_run, render_report, resolve_run_dir, role_table
+from headgraph.report.report import load_run, render_report, resolve_run_dir, role_table
 
 TOP_K = 5
 FIGURES = ("fig_pk_distributions", "fig_kl_heatmap", "fig_pk_vs_cs", "fig_topk_graph", "fig_roles", "fig_hubs")
@@ -157,13 +157,14 @@ def test_cli_report_renders_and_fails_cleanly(rendered, tmp_path, capsys):
 
 
 def test_a_stored_run_id_resolves_to_its_folder(rendered, tmp_path):
-    from headgraph.loader.graph import store_run
-    from headgraph.loader.store import StoreSpec, open_store
+    from _pairs import run_graph
+
+    from headgraph.loader.open_store import StoreSpec, open_store
 
     spec = StoreSpec(db=str(tmp_path / "store.lbdb"))
     run = {**rendered["meta"], "id": "report-test-run", "out_dir": str(rendered["dir"])}
     with open_store(spec.db) as store:
-        store_run(store, rendered["pairs"], rendered["heads"], run, SelectionPolicy(top_k=2), progress=False)
+        store.load_run(run_graph(rendered["pairs"], rendered["heads"], run, SelectionPolicy(top_k=2)), progress=False)
     assert resolve_run_dir("report-test-run", spec) == rendered["dir"]
     with pytest.raises(UsageError, match="neither a run folder nor a run id"):
         resolve_run_dir("no-such-run", spec)

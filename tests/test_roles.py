@@ -11,14 +11,14 @@ from transformers import AutoModel
 
 from headgraph.analysis import roles as R
 from headgraph.analysis.patterns import capture_patterns
-from headgraph.analysis.planted import PlantSpec, save_planted
 from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_PAD, KIND_SEP, TokenInputs, ioi_inputs, sentence_pair_inputs,
 )
 from headgraph.cli import main
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model, minilm_dir
-from headgraph.loader.synthetic import save_synthetic
+from headgraph.testing.planted import PlantSpec, save_planted
+from headgraph.testing.synthetic import save_synthetic
 
 
 # ---------- helpers -------------------------------------------------------------------------------------------

@@ -10,16 +10,16 @@ import uuid
 import numpy as np
 import pandas as pd
 import pytest
-from _pairs import HUB, planted_pairs
+from _pairs import HUB, planted_pairs, run_graph
 from click.testing import CliRunner
 
 from headgraph.analysis.centrality import hub_report
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import cli, main
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
-from headgraph.loader.graph import SelectionPolicy, build_run_graph
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import load_model
-from headgraph.loader.store import open_store
+from headgraph.loader.open_store import open_store
 from headgraph.pipeline import analyze
 from headgraph.queries.runner import run_named
 
@@ -40,7 +40,7 @@ def new_run_id():
 
 def graph_of(tables, run_id, model="toy-model", top_k=20):
     pairs, heads = tables
-    return build_run_graph(pairs, heads, {"id": run_id, "model": model, "processing": "tl"}, SelectionPolicy(top_k))
+    return run_graph(pairs, heads, {"id": run_id, "model": model, "processing": "tl"}, SelectionPolicy(top_k))
 
 
 @pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])
@@ -98,7 +98,7 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     result, truth = planted_analysis
     run_id = new_run_id()
     # 3 layers x 4 heads: 48 pairs per type; the top 5 per type holds every planted edge
-    graph = build_run_graph(result.pairs, result.heads, {**result.run, "id": run_id}, SelectionPolicy(top_k=5))
+    graph = run_graph(result.pairs, result.heads, {**result.run, "id": run_id}, SelectionPolicy(top_k=5))
     load(store, graph)
     assert [r["head"] for r in run_named(store, "hubs", {"run": run_id, "limit": "1"}).records()][:1] == [truth.hub]
     report = hub_report(graph.heads, graph.edges)

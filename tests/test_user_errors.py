@@ -15,12 +15,12 @@ import uuid
 
 import pytest
 import torch
-from _pairs import HUB, planted_pairs
+from _pairs import HUB, planted_pairs, run_graph
 
+from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
-from headgraph.loader.graph import SelectionPolicy, build_run_graph
 from headgraph.loader.ladybug_store import LadybugStore
-from headgraph.loader.synthetic import random_gpt2_state, save_synthetic
+from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
 
 FAST = ["--null-heads", "20", "--reference-samples", "1000"]
 QUICK = [*FAST, "--no-roles", "--no-store", "--no-report"]
@@ -176,7 +176,7 @@ def test_an_integer_beyond_64_bits_is_a_usage_error(store, args, message, reques
 @pytest.fixture
 def stored_run(tmp_path):
     path = tmp_path / "graph.lbdb"
-    graph = build_run_graph(*planted_pairs(), {"id": "lower-case-types", "model": "toy"}, SelectionPolicy(20))
+    graph = run_graph(*planted_pairs(), {"id": "lower-case-types", "model": "toy"}, SelectionPolicy(20))
     with LadybugStore(path) as store:
         store.load_run(graph, progress=False)
     return str(path)

@@ -97,14 +97,14 @@ def test_unknown_model_is_one_line_exit_2(tmp_path):
 
 
 def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path):
-    from headgraph.loader.graph import store_run
+    from _pairs import planted_pairs, run_graph
+
     from headgraph.loader.ladybug_store import LadybugStore
-    from _pairs import planted_pairs
 
     pairs, heads = planted_pairs()
     db = tmp_path / "g.lbdb"
     with LadybugStore(db) as store:
-        store_run(store, pairs, heads, {"id": "run-a", "model": "synthetic"}, progress=False)
+        store.load_run(run_graph(pairs, heads, {"id": "run-a", "model": "synthetic"}), progress=False)
     listed = headgraph("runs", "--db", str(db), "--format", "json")
     assert [r["id"] for r in json.loads(listed.stdout)] == ["run-a"]
     assert headgraph("runs", "delete", "run-b", "--db", str(db)).returncode == 2
@@ -114,3 +114,33 @@ def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path)
     missing = headgraph("runs", "delete", "run-a", "--db", str(tmp_path / "none.lbdb"))
     assert missing.returncode == 3 and "no headgraph store" in missing.stderr
     assert not (tmp_path / "none.lbdb").exists()
+
+
+def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkeypatch):
+    """Every module's binding of select_edges and head_centrality is counted: a second selection anywhere in
+    analyze (summary, report, store) would show."""
+    import headgraph.analysis.centrality
+    import headgraph.analysis.selection
+    import headgraph.loader.graph
+    import headgraph.report.report  # noqa: F401 - loaded so that its bindings are counted too
+    from headgraph.analysis.selection import SelectionPolicy
+    from headgraph.loader.open_store import StoreSpec
+    from headgraph.workflow import AnalyzeOptions, run_analyze
+
+    calls = {"select_edges": 0, "head_centrality": 0}
+    for name, module in (("select_edges", headgraph.analysis.selection), ("head_centrality", headgraph.analysis.centrality)):
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        for loaded in [m for n, m in sys.modules.items() if n.startswith("headgraph")]:
+            if getattr(loaded, name, None) is original:
+                monkeypatch.setattr(loaded, name, counted)
+    options = AnalyzeOptions(out_dir=str(tmp_path / "run"), reference_samples=2000, null_heads=20,
+                             role_options={"n_inputs": 8, "tau": 3.0, "alpha": 0.05, "correction": "bh"},
+                             policy=SelectionPolicy(top_k=5), store=StoreSpec(db=str(tmp_path / "g.lbdb")))
+    outcome = run_analyze(str(planted[0]), options, progress=False)
+    assert calls == {"select_edges": 1, "head_centrality": 1}
+    assert outcome.report and len(outcome.selected.edges) == 15

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from headgraph.errors import UsageError
+from headgraph.heads import head_name
 
 RUN_FILE = "run.json"
 PAIRS_FILE = "pairs.parquet"
@@ -22,7 +23,7 @@ HEAD_COLUMNS = ["head", "layer", "index", "rank_q", "rank_k", "rank_v", "rank_o"
 def head_index(n_layers: int, n_heads: int) -> dict[str, list[str] | np.ndarray]:
     """heads.parquet's key columns, heads ordered by layer then index: head (L{l}H{h}), layer, index."""
     layer, index = np.divmod(np.arange(n_layers * n_heads), n_heads)
-    return {"head": [f"L{l}H{h}" for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
+    return {"head": [head_name(l, h) for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
 
 
 @dataclass

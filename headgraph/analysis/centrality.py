@@ -55,7 +55,22 @@ def _hits(pairs: nx.DiGraph) -> tuple[dict, dict]:
 
 
 def head_centrality(edges: pd.DataFrame, heads: list[str]) -> pd.DataFrame:
-    """One row per head (column `name`) with every measure in MEASURES."""
+    """One row per head (column `name`) with every measure in MEASURES, on the selected edges only: a head's
+    degree counts its typed edges in this selection, so it changes with the policy and says nothing of how
+    much the model relies on the head.
+
+    >>> edges = pd.DataFrame({"source": ["L0H0", "L0H0", "L1H0"], "target": ["L1H0", "L2H0", "L2H0"],
+    ...                       "kind": ["OK", "OV", "OQ"], "pk": [2.0, 1.0, 3.0]})
+    >>> table = head_centrality(edges, ["L0H0", "L1H0", "L2H0", "L2H1"])
+    >>> table[["name", "in_degree", "out_degree", "weighted_degree", "betweenness"]]
+       name  in_degree  out_degree  weighted_degree  betweenness
+    0  L0H0          0           2              3.0          0.0
+    1  L1H0          1           1              5.0          0.0
+    2  L2H0          2           0              4.0          0.0
+    3  L2H1          0           0              0.0          0.0
+
+    (No head lies between two others: the direct edge L0H0 -> L2H0 is shorter than the route through L1H0.)
+    """
     graph = head_graph(edges, heads)
     pairs = pair_graph(edges, heads)
     hubs, authorities = _hits(pairs)

@@ -43,6 +43,10 @@ class HeadClasses:
         """The classes a head belongs to (empty if none)."""
         return [name for name, members in self.classes.items() if head in members]
 
+    def labels(self) -> dict[str, list[str]]:
+        """{head: its class names} for every head in a class."""
+        return {head: self.classes_of(head) for head in self.heads}
+
 
 def _parse(data, origin: str) -> HeadClasses:
     if not isinstance(data, dict) or not isinstance(data.get("classes"), dict):

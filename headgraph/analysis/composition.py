@@ -17,8 +17,6 @@ import torch
 
 from headgraph.analysis.pk import pk_matrix, plan_pk
 
-COMPOSITION_TYPES = {"OQ": "Q", "OK": "K", "OV": "V"}
-
 
 def expand_kv(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Repeat each native KV head for the query heads of its group: [L, n_kv, ...] -> [L, n_heads, ...]."""

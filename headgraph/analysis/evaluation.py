@@ -13,8 +13,8 @@ from scipy import stats
 
 from headgraph.analysis.classes import HeadClasses
 from headgraph.errors import UsageError
+from headgraph.heads import COMPOSITION_TYPES
 
-COMPOSITION_TYPES = ("OQ", "OK", "OV")
 PAIR_KEYS = ("source", "target", "source_type", "target_type")  # the pairs.parquet columns evaluated on
 
 

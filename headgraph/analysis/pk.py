@@ -222,7 +222,31 @@ def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, plan: PK
               advance: Callable[[int], None] | None = None) -> torch.Tensor:
     """PK between every source [Ns, d, k] and target [Nt, d, k'] basis where `mask` [Ns, Nt] is True
     (NaN elsewhere). Heads must be ordered by layer so each source tile needs one contiguous column span.
-    `advance(n)` is called after each source tile with the number of source heads done."""
+    `advance(n)` is called after each source tile with the number of source heads done.
+
+    PK is the sum of the squared cosines of the principal angles: k for equal subspaces, 0 for orthogonal ones,
+    k k'/d on average for random ones (headgraph.analysis.reference). A high PK says the subspaces overlap, not
+    that the model sends information from one head to the other.
+
+    Two subspaces: the line at 60 degrees to span{e0} in R^2 has PK cos^2(60) = 0.25 with it.
+
+    >>> import math, torch
+    >>> line = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)
+    >>> tilted = torch.tensor([[[math.cos(math.pi / 3)], [math.sin(math.pi / 3)]]], dtype=torch.float64)
+    >>> one = torch.ones(1, 1, dtype=torch.bool)
+    >>> round(pk_matrix(line, tilted, one, plan_pk(one, 2, 1, 1, 8)).item(), 12)
+    0.25
+
+    All pairs: two 2-d heads span{e0, e1}, span{e2, e3} of R^4 against span{e1, e2} (one shared axis each)
+    and span{e0, e1}; the second source's pair is masked out.
+
+    >>> e = torch.eye(4, dtype=torch.float64)
+    >>> src, tgt = torch.stack([e[:, :2], e[:, 2:]]), torch.stack([e[:, 1:3], e[:, :2]])
+    >>> mask = torch.tensor([[True, True], [True, False]])
+    >>> pk_matrix(src, tgt, mask, plan_pk(mask, 4, 2, 2, 8))
+    tensor([[1., 2.],
+            [1., nan]], dtype=torch.float64)
+    """
     n_src, n_tgt = src.shape[0], tgt.shape[0]
     out = torch.full((n_src, n_tgt), float("nan"), dtype=src.dtype, device=src.device)
     k_tgt = tgt.shape[2]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-WEIGHT_TYPES = ("Q", "K", "V", "O")
+from headgraph.heads import WEIGHT_TYPES
 
 
 @dataclass(frozen=True)

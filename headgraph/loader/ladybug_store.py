@@ -32,6 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.heads import TYPE_PAIRS, check_type_pair
 from headgraph.loader.readonly import (
     LADYBUG_UNPLANNABLE,
     READ_BUFFER_POOL,
@@ -45,13 +46,11 @@ from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
     EDGE_PROPERTIES,
     HEAD_PROPERTIES,
-    KINDS,
     MODEL_PROPERTIES,
     RUN_PROPERTIES,
     GraphStore,
     Rows,
     Writer,
-    check_kind,
     check_run_id,
 )
 
@@ -77,7 +76,7 @@ def schema_ddl() -> list[str]:
         f"CREATE NODE TABLE IF NOT EXISTS Run({_columns(RUN_PROPERTIES)}, PRIMARY KEY(id))",
         f"CREATE NODE TABLE IF NOT EXISTS Head({_columns(HEAD_PROPERTIES)}, PRIMARY KEY(key))",
         "CREATE REL TABLE IF NOT EXISTS OF_MODEL(FROM Run TO Model)",
-        *(f"CREATE REL TABLE IF NOT EXISTS {kind}(FROM Head TO Head, {_columns(EDGE_PROPERTIES)})" for kind in KINDS),
+        *(f"CREATE REL TABLE IF NOT EXISTS {kind}(FROM Head TO Head, {_columns(EDGE_PROPERTIES)})" for kind in TYPE_PAIRS),
     ]
 
 
@@ -240,7 +239,7 @@ class LadybugStore(GraphStore):
             + [(n, _ARROW_TYPES[t]) for n, t in EDGE_PROPERTIES.items()]
         )
         table = pa.Table.from_pandas(edges.reindex(columns=names), schema=schema, preserve_index=False)
-        self._write([(f"COPY {check_kind(kind)} FROM $rows", {"rows": table})])
+        self._write([(f"COPY {check_type_pair(kind)} FROM $rows", {"rows": table})])
 
     def _write_count(self, cypher: str, params: dict[str, Any]) -> int:
         (result,) = self._execute_in_transaction("BEGIN TRANSACTION", [(cypher, params)])

@@ -23,6 +23,7 @@ from neo4j.exceptions import AuthError, ClientError, ConfigurationError, Neo4jEr
 from neo4j.graph import Node, Path, Relationship
 
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.heads import check_type_pair
 from headgraph.loader.readonly import (
     check_neo4j_plan,
     check_statement,
@@ -37,7 +38,6 @@ from headgraph.loader.store import (
     GraphStore,
     Rows,
     Writer,
-    check_kind,
     check_run_id,
 )
 
@@ -179,7 +179,7 @@ class Neo4jStore(GraphStore):
         properties = ", ".join(f"{name}: row[{i}]" for i, name in enumerate(names, start=2))
         cypher = (
             "UNWIND $rows AS row MATCH (a:Head {key: row[0]}), (b:Head {key: row[1]}) "
-            f"CREATE (a)-[:{check_kind(kind)} {{{properties}}}]->(b)"
+            f"CREATE (a)-[:{check_type_pair(kind)} {{{properties}}}]->(b)"
         )
         self._write([(cypher, {"rows": value_lists(edges[["source_key", "target_key", *names]])})])
 

@@ -19,32 +19,23 @@ Integrity contract (what a reader may rely on):
 from __future__ import annotations
 
 import functools
-import os
 import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-import click
 import pandas as pd
 import psutil
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from headgraph.errors import StoreUnavailable, UsageError
-from headgraph.files import writable_folder
-
-if TYPE_CHECKING:
-    from headgraph.loader.graph import RunGraph
+from headgraph.heads import check_type_pair
 
 DEFAULT_DB = "./headgraph.lbdb"
 DEFAULT_BATCH_SIZE = 5000
-
-WEIGHT_TYPES = ("Q", "K", "V", "O")
-KINDS = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
-"""Every weight-pair relationship type ("OQ", "OK", ...): source type then target type."""
 
 # Property name -> LadybugDB column type. Neo4j stores the same names (it is schemaless).
 MODEL_PROPERTIES = {
@@ -175,13 +166,6 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def check_kind(kind: str) -> str:
-    """A weight-pair type, checked before it is put into Cypher as a relationship type."""
-    if kind not in KINDS:
-        raise UsageError(f"unknown weight-pair type {kind!r}: expected one of {', '.join(KINDS)}")
-    return kind
-
-
 def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """DataFrame rows as plain-Python dicts for query parameters (NaN -> None, numpy scalars -> Python)."""
     plain = frame.astype(object).where(frame.notna(), None)
@@ -203,6 +187,18 @@ def _present(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def _property_map(variable: str, names) -> str:
     return "{" + ", ".join(f"{n}: {variable}.{n}" for n in names) + "}"
+
+
+@dataclass
+class RunGraph:
+    """Everything stored for one run, shaped by headgraph.loader.graph: Run and Model properties, Head rows
+    (with their centralities) and edge rows (the selected edges). The store writes it and computes nothing."""
+
+    run: dict[str, Any]
+    model: dict[str, Any]
+    heads: pd.DataFrame
+    edges: pd.DataFrame
+    extra_head_properties: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -310,7 +306,7 @@ class GraphStore(ABC):
         self.delete_run(run_id, batch_size)
         steps = [(self._write_heads, part) for part in batches(graph.heads, batch_size)]
         for kind, edges in graph.edges.groupby("kind", sort=True):
-            steps += [(functools.partial(self._write_edges, check_kind(kind)), part) for part in batches(edges, batch_size)]
+            steps += [(functools.partial(self._write_edges, check_type_pair(kind)), part) for part in batches(edges, batch_size)]
         expected = {"heads": len(graph.heads), "edges": len(graph.edges)}
         try:
             self._begin_run(graph.run | {"n_heads": expected["heads"], "n_edges": expected["edges"]}, graph.model)
@@ -436,85 +432,3 @@ def _load_progress(enabled: bool, run_id: str, total: int):
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(run_id, total=total)
         yield lambda: bar.advance(task)
-
-
-# --- store selection ---------------------------------------------------------------------------------
-
-
-def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[str, str]:
-    """The store the user selected, unopened: ("neo4j", URI) when a URI is given (or NEO4J_URI is set and no
-    --db), else ("ladybug", path) of `db` / HEADGRAPH_DB / ./headgraph.lbdb."""
-    if db is not None and not str(db).strip():
-        raise UsageError(f"--db {str(db)!r} names no store: give the path of a LadybugDB store, or leave --db out "
-                         f"for HEADGRAPH_DB / {DEFAULT_DB}")
-    if neo4j is not None and not neo4j.strip():
-        raise UsageError(f"--neo4j {neo4j!r} names no server: give a URI such as bolt://127.0.0.1:7687, or leave "
-                         "--neo4j out")
-    if db is not None and neo4j:
-        raise UsageError("give either --db PATH (embedded store) or --neo4j URI, not both")
-    uri = neo4j or (None if db is not None else os.environ.get("NEO4J_URI") or None)
-    if uri:
-        return "neo4j", uri
-    return "ladybug", str(db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB)
-
-
-def open_store(
-    db: str | os.PathLike | None = None,
-    neo4j: str | None = None,
-    user: str | None = None,
-    password: str | None = None,
-    read_only: bool = False,
-) -> GraphStore:
-    """Open the store the user selected (see `resolve_store`)."""
-    kind, where = resolve_store(db, neo4j)
-    if kind == "neo4j":
-        from headgraph.loader.neo4j_store import Neo4jStore
-
-        return Neo4jStore(
-            where,
-            user or os.environ.get("NEO4J_USER") or "neo4j",
-            password if password is not None else os.environ.get("NEO4J_PASSWORD", ""),
-            database=os.environ.get("NEO4J_DATABASE") or "neo4j",
-            read_only=read_only,
-        )
-    from headgraph.loader.ladybug_store import LadybugStore
-
-    return LadybugStore(where, read_only=read_only)
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    """The store chosen on the command line; `open()` it when needed."""
-
-    db: str | None = None
-    neo4j: str | None = None
-    user: str | None = None
-
-    def open(self, read_only: bool = False) -> GraphStore:
-        return open_store(self.db, self.neo4j, self.user, read_only=read_only)
-
-    def check(self) -> str:
-        """Fail now, with one line, if the store cannot be written later; return its description. A server or an
-        existing file is opened and closed (which also removes abandoned runs); a missing file is not created,
-        only its folder checked, so a failed analyze leaves no empty store behind."""
-        kind, where = resolve_store(self.db, self.neo4j)
-        if kind == "ladybug" and not os.path.exists(where):
-            folder = os.path.dirname(os.path.abspath(where))
-            if not os.path.isdir(folder) or writable_folder(folder) is None:
-                raise StoreUnavailable(f"cannot create the embedded store {where}: {folder} is not a writable folder")
-            return f"LadybugDB at {where}"
-        with self.open() as store:
-            return store.description
-
-
-def store_options(command: Callable) -> Callable:
-    """Click options --db / --neo4j / --neo4j-user, passed to the command as one `store: StoreSpec`."""
-
-    @click.option("--db", default=None, metavar="PATH", help=f"Embedded LadybugDB store (env HEADGRAPH_DB, default {DEFAULT_DB}).")
-    @click.option("--neo4j", "neo4j", default=None, metavar="URI", help="Use a Neo4j server, e.g. bolt://127.0.0.1:7687 (env NEO4J_URI).")
-    @click.option("--neo4j-user", default=None, metavar="USER", help="Neo4j user (env NEO4J_USER, default neo4j); password from env NEO4J_PASSWORD.")
-    @functools.wraps(command)
-    def wrapper(*args, db, neo4j, neo4j_user, **kwargs):
-        return command(*args, store=StoreSpec(db, neo4j, neo4j_user), **kwargs)
-
-    return wrapper

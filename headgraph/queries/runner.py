@@ -26,7 +26,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from headgraph.errors import UsageError
-from headgraph.loader.store import KINDS, GraphStore, Rows
+from headgraph.heads import TYPE_PAIRS
+from headgraph.loader.store import GraphStore, Rows
 
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
 _HEAD = re.compile(r"^L\d+(H|KV)\d+$")
@@ -51,9 +52,9 @@ def _cast_list(text: str) -> list[str]:
 
 def _cast_types(text: str) -> list[str]:
     types = [item.upper() for item in _cast_list(text)]
-    unknown = [t for t in types if t not in KINDS]
+    unknown = [t for t in types if t not in TYPE_PAIRS]
     if unknown:
-        raise ValueError(f"not weight-pair types: {', '.join(unknown)} (expected some of {','.join(KINDS)})")
+        raise ValueError(f"not weight-pair types: {', '.join(unknown)} (expected some of {','.join(TYPE_PAIRS)})")
     return types
 
 

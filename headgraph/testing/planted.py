@@ -1,6 +1,6 @@
 """Synthetic GPT-2-architecture models with planted structure whose ground truth is known.
 
-Planted on top of GPT-2's random initialisation (`headgraph.loader.synthetic`):
+Planted on top of GPT-2's random initialisation (`headgraph.testing.synthetic`):
 - alignment edges: a source head's O-subspace (row space of its W_O) is made to overlap a later target head's
   Q, K or V column space to a degree `alpha` (target basis = orth(alpha·U_src + (1-alpha)·U_random));
   one source gets several out-edges (the hub);
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from headgraph.errors import UsageError
-from headgraph.loader.synthetic import gpt2_config, random_gpt2_state, save_gpt2_folder
+from headgraph.testing.synthetic import gpt2_config, random_gpt2_state, save_gpt2_folder
 
 WEIGHT_OFFSETS = {"Q": 0, "K": 1, "V": 2}  # block index of each type inside GPT-2's fused c_attn
 TRUTH_FILE = "planted.json"

@@ -19,10 +19,7 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from headgraph.analysis.reference import beta_parameters  # noqa: E402
-
-WEIGHT_TYPES = ("Q", "K", "V", "O")
-TYPE_PAIRS = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
-COMPOSITION_TYPES = ("OQ", "OK", "OV")
+from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES, head_name  # noqa: E402
 
 _TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -264,7 +261,7 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
     involved = set(edges["source"]) | set(edges["target"])
     for layer in range(n_layers):
         for head in range(n_heads):
-            name = f"L{layer}H{head}"
+            name = head_name(layer, head)
             color = class_color(owner[name]) if name in owner else NODE_COLOR
             node = ax.scatter([head], [layer], s=150 if name in involved else 60, color=color,
                               edgecolors="black" if name in involved else "#9e9e9e", linewidths=0.8,

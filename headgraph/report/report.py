@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headgraph import figures
-from headgraph.analysis.artifacts import (HEADS_FILE, PAIR_COLUMNS, PAIRS_FILE, RUN_FILE, read_artifacts,
-                                          require_columns)
-from headgraph.analysis.centrality import head_centrality, hub_report
+from headgraph.analysis.artifacts import HEADS_FILE, PAIR_COLUMNS, PAIRS_FILE, RUN_FILE, read_artifacts, require_columns
 from headgraph.analysis.classes import load_classes
-from headgraph.analysis.evaluation import COMPOSITION_TYPES, evaluate_pairs
+from headgraph.analysis.evaluation import evaluate_pairs
+from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import StoreUnavailable, UsageError
-from headgraph.loader.graph import SelectionPolicy, select_edges
+from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
+from headgraph.report import figures
 
 HEAD_COLUMNS = ("head", "layer", "index")
 DEFAULT_EVAL_K = 20
@@ -49,14 +48,14 @@ class Run:
     @property
     def type_pairs(self):
         present = set(self.pairs["source_type"] + self.pairs["target_type"])
-        return [tp for tp in figures.TYPE_PAIRS if tp in present]
+        return [tp for tp in TYPE_PAIRS if tp in present]
 
     @property
     def kl(self):
         """{type pair: KL(random ‖ observed) in nats or None} for all 16 type pairs."""
         kl = self.meta.get("kl", {})
         found = {r + c: kl["matrix"][i][j] for i, r in enumerate(kl.get("rows", ())) for j, c in enumerate(kl.get("cols", ()))}
-        return {tp: found.get(tp) for tp in figures.TYPE_PAIRS}
+        return {tp: found.get(tp) for tp in TYPE_PAIRS}
 
     @property
     def reference(self):
@@ -103,7 +102,7 @@ def type_summary(run, fraction=0.03, q_level=0.05):
     stats["ref_sd"] = np.sqrt(ref["var"].astype(float))
     stats["mean_z"] = (stats["mean_pk"] - stats["ref_mean"]) / stats["ref_sd"]
     stats["kl"] = [run.kl.get(tp) for tp in stats.index]
-    return stats.reindex([tp for tp in figures.TYPE_PAIRS if tp in stats.index])
+    return stats.reindex([tp for tp in TYPE_PAIRS if tp in stats.index])
 
 
 def significant_roles(heads):
@@ -154,13 +153,13 @@ def hub_table(report, heads):
 def _edge_summary(by_kind):
     """'OV: L1H11, L2H2; OK: L5H5' from {kind: [{"head", "pk"}, ...]} in the project's type order."""
     parts = [f"{kind}: " + ", ".join(e["head"] for e in by_kind[kind])
-             for kind in figures.TYPE_PAIRS if by_kind.get(kind)]
+             for kind in TYPE_PAIRS if by_kind.get(kind)]
     return "; ".join(parts) or "—"
 
 
 def strongest_edges(edges, per_type=10):
     """Table of the strongest selected edges per type."""
-    table = edges.assign(order=edges["kind"].map(figures.TYPE_PAIRS.index))
+    table = edges.assign(order=edges["kind"].map(TYPE_PAIRS.index))
     table = table.sort_values(["order", "pk"], ascending=[True, False], kind="stable")
     table = table.groupby("kind", sort=False).head(per_type)
     table["edge"] = table["source"] + " → " + table["target"]
@@ -319,9 +318,9 @@ def _hub_text(hubs):
 
 
 def _kl_table(kl):
-    return pd.DataFrame([[kl[s + t] for t in figures.WEIGHT_TYPES] for s in figures.WEIGHT_TYPES],
-                        index=pd.Index(figures.WEIGHT_TYPES, name="source \\ target"),
-                        columns=list(figures.WEIGHT_TYPES))
+    return pd.DataFrame([[kl[s + t] for t in WEIGHT_TYPES] for s in WEIGHT_TYPES],
+                        index=pd.Index(WEIGHT_TYPES, name="source \\ target"),
+                        columns=list(WEIGHT_TYPES))
 
 
 def default_classes(model):
@@ -417,22 +416,20 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
 
 
 def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None,
-                  centrality=None):
+                  selected=None):
     """Render figures, report.md and report.html for a run folder (or a loaded Run); return {name: path}.
 
     policy: the edge selection (default: top 20 per type by PK); classes: a HeadClasses (default: the
     project's known classes for the model, if any). Output goes to out_dir (default: the run folder).
-    advance() is called FIGURE_COUNT + 1 times as the work proceeds. centrality: the head centralities of this
-    selection when the caller already has them (headgraph.analysis.centrality.head_centrality).
+    advance() is called FIGURE_COUNT + 1 times as the work proceeds. selected: the SelectedGraph of this run
+    and policy when the caller already has it (headgraph.analysis.selection.select_graph); else computed here.
     """
     run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
-    edges = select_edges(run.pairs, policy)
-    if centrality is None:
-        centrality = head_centrality(edges, run.heads["head"].tolist())
-    report = hub_report(centrality, edges)
-    hubs = hub_table(report, run.heads)
+    selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
+    edges, centrality = selected.edges, selected.centrality
+    hubs = hub_table(selected.hubs, run.heads)
     figs = render_figures(run, edges, centrality, out_dir, classes, hub_order=list(hubs.index),
                           selection=policy.describe(), advance=advance)
     evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
@@ -449,7 +446,7 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
 def resolve_run_dir(run, store):
     """A run folder from RUN: a folder path, or the id of a stored run whose record names its folder.
 
-    store: a headgraph.loader.store.StoreSpec, opened read-only only when RUN is not a folder.
+    store: a headgraph.loader.open_store.StoreSpec, opened read-only only when RUN is not a folder.
     """
     path = Path(run)
     if path.is_dir() or "/" in run or "\\" in run:

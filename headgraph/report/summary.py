@@ -5,8 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from headgraph.analysis.subspaces import WEIGHT_TYPES
-from headgraph.workflow import AnalyzeOutcome
+from headgraph.heads import WEIGHT_TYPES
 
 
 def significant_roles(heads, head: str) -> list[str]:
@@ -18,10 +17,11 @@ def significant_roles(heads, head: str) -> list[str]:
     return [c[: -len("_sig")] for c in sig if bool(row.iloc[0][c])]
 
 
-def summary_data(outcome: AnalyzeOutcome, top_hubs: int = 5) -> dict:
-    """Everything the summary shows, as plain JSON-able data."""
+def summary_data(outcome, top_hubs: int = 5) -> dict:
+    """Everything the summary shows of a finished analyze (a headgraph.workflow.AnalyzeOutcome), as plain
+    JSON-able data."""
     run, heads = outcome.result.run, outcome.result.heads
-    per_type = outcome.edges.groupby("kind").size().to_dict() if len(outcome.edges) else {}
+    per_type = outcome.selected.edges.groupby("kind").size().to_dict() if len(outcome.selected.edges) else {}
     return {
         "run_id": outcome.run_id,
         "model": run["model"]["name"],
@@ -37,7 +37,7 @@ def summary_data(outcome: AnalyzeOutcome, top_hubs: int = 5) -> dict:
         "kl": {s + t: v for s, row in zip(WEIGHT_TYPES, run["kl"]["matrix"]) for t, v in zip(WEIGHT_TYPES, row)
                if s + t in run["types"]},
         "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
-                  "roles": significant_roles(heads, h["head"])} for h in outcome.hubs["hubs"][:top_hubs]],
+                  "roles": significant_roles(heads, h["head"])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
         "folder": str(outcome.folder),
         "store": outcome.store,
         "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from headgraph.analysis.selection import SelectionPolicy, rank_pairs, select_edges
 from headgraph.errors import UsageError
-from headgraph.loader.graph import SelectionPolicy, rank_pairs, select_edges
 
 ARCH_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head")
 EDGE_KEYS = ["source", "target", "kind"]

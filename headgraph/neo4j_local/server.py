@@ -79,7 +79,7 @@ POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   </dependencies>
 </project>
 """
-LOCK_FILE = Path(__file__).parent / "data" / "neo4j-5.26.lock"
+LOCK_FILE = Path(__file__).parents[1] / "data" / "neo4j-5.26.lock"
 MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2/"
 FETCH_WORKERS = 16
 FETCH_ATTEMPTS = 3
@@ -237,7 +237,7 @@ def read_lock(lock: Path = LOCK_FILE) -> list[LockedJar]:
 def write_lock(lock: Path, jars: list[LockedJar]) -> None:
     """Write `jars` as a lock file (sorted by coordinates), replacing `lock` atomically."""
     lines = [
-        "# Runtime jars of the local Neo4j (headgraph.neo4j_local): group:artifact:version[:classifier] sha1",
+        "# Runtime jars of the local Neo4j (headgraph.neo4j_local.server): group:artifact:version[:classifier] sha1",
         f"# Neo4j {NEO4J_VERSIONS} + neo4j-browser {BROWSER_VERSION}; "
         "regenerate: scripts/neo4j-local assemble --resolve",
         *sorted(f"{jar.coordinates} {jar.sha1}" for jar in jars),
@@ -396,7 +396,7 @@ def neo4j_conf(server: LocalServer) -> str:
     home = server.home
     assets = server.assets_url
     lines = [
-        "# Written by headgraph.neo4j_local on every start; change the code or the environment, not this file.",
+        "# Written by headgraph.neo4j_local.server on every start; change the code or the environment, not this file.",
         "server.default_listen_address=127.0.0.1",
         "server.default_advertised_address=127.0.0.1",
         f"server.bolt.listen_address=127.0.0.1:{server.bolt_port}",
@@ -494,14 +494,14 @@ def _port_taken(port: int) -> bool:
 
 def start_assets_server(server: LocalServer) -> int:
     """Serve headgraph/browser/ (style.grass, guide.html) on the loopback assets port; return its pid."""
-    pid = _running_pid(server.assets_pid_file, "headgraph.browser.assets_server")
+    pid = _running_pid(server.assets_pid_file, "headgraph.neo4j_local.browser.assets_server")
     if pid is not None:
         return pid
     if _port_taken(server.assets_port):
         raise StoreUnavailable(
             f"port {server.assets_port} on 127.0.0.1 is taken; set HEADGRAPH_BROWSER_ASSETS_PORT to a free port"
         )
-    command = [sys.executable, "-m", "headgraph.browser.assets_server", "--port", str(server.assets_port)]
+    command = [sys.executable, "-m", "headgraph.neo4j_local.browser.assets_server", "--port", str(server.assets_port)]
     with open(server.home / "logs" / "browser-assets.log", "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
     server.assets_pid_file.write_text(f"{process.pid}\n")
@@ -594,7 +594,7 @@ def stop(server: LocalServer, timeout: float = 90.0, log=print) -> bool:
 
     Returns False when the server was not running.
     """
-    assets = _running_pid(server.assets_pid_file, "headgraph.browser.assets_server")
+    assets = _running_pid(server.assets_pid_file, "headgraph.neo4j_local.browser.assets_server")
     if assets is not None:
         _terminate(assets, 5.0)
     server.assets_pid_file.unlink(missing_ok=True)
@@ -671,6 +671,3 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from headgraph.neo4j_local.server import main
+
+sys.exit(main())

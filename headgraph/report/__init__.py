@@ -1,0 +1,1 @@
+"""Reports of runs: figures, report.md/html, comparisons of two runs, the closing summary of analyze."""
