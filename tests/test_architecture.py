@@ -1,0 +1,109 @@
+"""The package's structure, read from its source with `ast`: no import cycle between modules (function-level and
+TYPE_CHECKING imports count), no import against the layers below, and one definition site for the vocabulary."""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parents[1] / "headgraph"
+
+# Each room and the rooms it may import (besides itself). Data flows one way: model -> subspaces -> PK / roles
+# -> selection -> centrality -> store -> queries / reports; the orchestrator and the CLI sit on top.
+ALLOWED = {
+    "errors": set(),
+    "heads": {"errors"},
+    "files": set(),
+    "analysis": {"errors", "heads"},
+    "loader": {"errors", "heads", "files", "analysis.selection"},  # the selected graph's type, to shape rows
+    "queries": {"errors", "heads", "loader"},
+    "report": {"errors", "heads", "files", "analysis", "loader"},
+    "pipeline": {"errors", "heads", "analysis", "__init__"},
+    "workflow": {"errors", "heads", "files", "analysis", "loader", "pipeline", "report"},
+    "testing": {"errors", "heads", "loader"},
+    "neo4j_local": {"errors"},
+    "doctor": {"errors", "loader"},
+    "cli": {"errors", "heads", "files", "analysis", "loader", "queries", "report", "pipeline", "workflow", "doctor",
+            "neo4j_local", "__init__"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every headgraph module `path` imports, anywhere in the file (module level, functions, TYPE_CHECKING)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("headgraph.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "headgraph":
+            if node.module == "headgraph":  # `from headgraph import x`: a submodule or a name of __init__
+                found |= {f"headgraph.{a.name}" if (PACKAGE / a.name).exists() or (PACKAGE / f"{a.name}.py").exists()
+                          else "headgraph.__init__" for a in node.names}
+            else:
+                found.add(node.module)
+    return {name.removeprefix("headgraph.") for name in found}
+
+
+def import_graph() -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for path in PACKAGE.rglob("*.py"):
+        source = module_name(path)
+        graph.add_node(source)
+        for target in imports(path):
+            graph.add_edge(source, target)
+    return graph
+
+
+def room(module: str) -> str:
+    return module.split(".")[0]
+
+
+def allowed(source: str, target: str) -> bool:
+    if room(source) == room(target):
+        return True
+    return any(target == rule or target.startswith(rule + ".") for rule in ALLOWED[room(source)])
+
+
+def test_every_room_is_named_in_the_layer_rules():
+    assert {room(m) for m in import_graph()} <= set(ALLOWED)
+
+
+def test_no_import_cycle_between_modules():
+    cycles = list(nx.simple_cycles(import_graph()))
+    assert cycles == []
+
+
+def test_no_import_against_the_layers():
+    wrong = sorted((s, t) for s, t in import_graph().edges if not allowed(s, t))
+    assert wrong == []
+
+
+def test_the_rules_catch_what_they_forbid():
+    graph = import_graph()
+    assert ("workflow", "analysis.selection") in graph.edges and allowed("workflow", "analysis.selection")
+    assert not allowed("analysis.pk", "loader.store")  # analysis never imports loader ...
+    assert not allowed("loader.graph", "analysis.centrality")  # ... and the store computes nothing
+    assert not allowed("report.summary", "workflow")
+    assert nx.simple_cycles(nx.DiGraph([("a", "b"), ("b", "a")])).__next__() in (["a", "b"], ["b", "a"])
+
+
+def assigned_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+
+
+def test_the_vocabulary_is_defined_once():
+    vocabulary = {"WEIGHT_TYPES", "TYPE_PAIRS", "COMPOSITION_TYPES", "DEFAULT_TYPES", "KINDS", "ALL_TYPES",
+                  "WeightType"}
+    sites = {module_name(p): assigned_names(p) & vocabulary for p in PACKAGE.rglob("*.py")}
+    assert {m: names for m, names in sites.items() if names} == {
+        "heads": {"WeightType", "WEIGHT_TYPES", "TYPE_PAIRS", "COMPOSITION_TYPES", "DEFAULT_TYPES"}}
+    literal = '("Q", "K", "V", "O")'
+    assert [p.name for p in PACKAGE.rglob("*.py") if literal in p.read_text()] == []
