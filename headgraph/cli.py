@@ -7,10 +7,16 @@ from collections.abc import Callable
 import click
 
 from headgraph import __version__
+from headgraph.analysis.options import CORRECTIONS, PKOptions, RoleOptions
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
+from headgraph.heads import parse_types
 from headgraph.errors import HeadgraphError
 from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import DEFAULT_DB
+from headgraph.workflow import AnalyzeOptions
+
+ANALYZE = AnalyzeOptions()  # the defaults every option below shows
+PK, ROLES = ANALYZE.pk, ANALYZE.roles
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,25 +87,25 @@ CLASSES_OPTION = click.option(
 @click.argument("model")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Run folder for run.json, pairs/heads.parquet, figures and report (default: runs/<run id>).")
-@click.option("--types", default="oq,ok,ov", show_default=True,
+@click.option("--types", default=",".join(PK.types).lower(), show_default=True,
               help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
-@click.option("--processing", type=click.Choice(["tl", "raw"]), default="tl", show_default=True,
+@click.option("--processing", type=click.Choice(["tl", "raw"]), default=ANALYZE.processing, show_default=True,
               help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
 @DEVICE_OPTION
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
-@click.option("--max-memory", default="2GiB", show_default=True, callback=parse_memory_size,
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default=PK.dtype, show_default=True)
+@click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
+@click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
               help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
 @click.option("--full-matrix", is_flag=True,
               help="Also compute same-layer and backward pairs (default: earlier -> strictly later layer).")
-@click.option("--null-heads", default=200, show_default=True, type=click.IntRange(min=2),
+@click.option("--null-heads", default=PK.null_heads, show_default=True, type=click.IntRange(min=2),
               help="Random heads per type of the model-matched null (its n^2 pairs give p_model).")
-@click.option("--reference-samples", default=100_000, show_default=True, type=click.IntRange(min=100),
+@click.option("--reference-samples", default=PK.reference_samples, show_default=True, type=click.IntRange(min=100),
               help="Samples of the isotropic reference distribution (for the KL matrix).")
 @click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
-@click.option("--n-inputs", default=200, show_default=True, type=click.IntRange(min=2),
+@click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
               help="Generated inputs per input set of the role tests.")
-@click.option("--correction", type=click.Choice(["none", "bh", "bonferroni"]), default="bh", show_default=True,
+@click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
               help="Multiple-testing correction of the role tests across heads.")
 @CLASSES_OPTION
 @selection_options
@@ -117,12 +123,13 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
     from rich.console import Console
 
     from headgraph.report.summary import print_summary, summary_data
-    from headgraph.workflow import ROLE_DEFAULTS, AnalyzeOptions, run_analyze
+    from headgraph.workflow import run_analyze
 
+    pk = PKOptions(types=parse_types(types), full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
+                   max_memory=max_memory, reference_samples=reference_samples, null_heads=null_heads)
     options = AnalyzeOptions(
-        out_dir=out_dir, types=types, processing=processing, device=device, dtype=dtype, seed=seed,
-        max_memory=max_memory, full_matrix=full_matrix, null_heads=null_heads, reference_samples=reference_samples,
-        roles=roles, role_options={**ROLE_DEFAULTS, "n_inputs": n_inputs, "correction": correction},
+        out_dir=out_dir, processing=processing, pk=pk,
+        roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
         policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report)
     console = Console(stderr=True)
     # progress bars only on a terminal: in a pipe or log they are frames of noise around the one-line error
@@ -218,12 +225,13 @@ def cypher(statement, params, fmt, store):
 @cli.command("roles")
 @click.argument("model")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write roles.parquet and roles.json here.")
-@click.option("--n-inputs", default=200, show_default=True, type=click.IntRange(min=2), help="Inputs per input set.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the generated inputs.")
-@click.option("--tau", default=3.0, show_default=True, help="Sieve bias threshold of the one-sided t-test.")
-@click.option("--alpha", default=0.05, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
-              help="Significance level of the decision.")
-@click.option("--correction", type=click.Choice(["none", "bh", "bonferroni"]), default="bh", show_default=True,
+@click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
+              help="Inputs per input set.")
+@click.option("--seed", default=PK.seed, show_default=True, help="Seed of the generated inputs.")
+@click.option("--tau", default=ROLES.tau, show_default=True, help="Sieve bias threshold of the one-sided t-test.")
+@click.option("--alpha", default=ROLES.alpha, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Significance level of the decision.")
+@click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
               help="Multiple-testing correction across heads.")
 @click.option("--identity-map", is_flag=True, help="Also print the layer x head map of identity scores.")
 @DEVICE_OPTION
@@ -242,7 +250,8 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identi
 
     loaded = load_model(model, processing="raw", device=device)
     with Progress(transient=True, console=Console(stderr=True)) as progress:
-        heads, meta = compute_roles(loaded, n_inputs, seed, tau, alpha, correction, progress=progress)
+        heads, meta = compute_roles(loaded, seed=seed, progress=progress, n_inputs=n_inputs, tau=tau, alpha=alpha,
+                                    correction=correction)
     counts = role_table(heads).T
     console = Console()
     table = Table(title=f"{loaded.name}: heads per role and layer",
@@ -337,7 +346,8 @@ def report_command(run, classes_name, out_dir, policy, store):
     from rich.progress import Progress
 
     from headgraph.analysis.classes import load_classes
-    from headgraph.report.report import FIGURE_COUNT, load_run, render_report, resolve_run_dir
+    from headgraph.report.report import FIGURE_COUNT, render_report, resolve_run_dir
+    from headgraph.runs import load_run
 
     loaded = load_run(resolve_run_dir(run, store))
     classes = load_classes(classes_name) if classes_name else None
@@ -364,7 +374,8 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
     import json
 
     from headgraph.report.compare import compare_runs, comparison_json, print_comparison
-    from headgraph.report.report import load_run, resolve_run_dir
+    from headgraph.report.report import resolve_run_dir
+    from headgraph.runs import load_run
 
     comparison = compare_runs(load_run(resolve_run_dir(run_a, store)), load_run(resolve_run_dir(run_b, store)),
                               policy, changes)

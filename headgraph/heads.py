@@ -40,3 +40,16 @@ def check_type_pair(kind: str) -> str:
     if kind not in TYPE_PAIRS:
         raise UsageError(f"unknown weight-pair type {kind!r}: expected one of {', '.join(TYPE_PAIRS)}")
     return kind
+
+
+def parse_types(types) -> tuple[str, ...]:
+    """("OQ", "OK") / "oq,ok" / "all" -> a tuple of distinct upper-case type pairs, in {Q,K,V,O}^2."""
+    items = [t.strip() for t in types.split(",")] if isinstance(types, str) else list(types)
+    if [t.lower() for t in items] == ["all"]:
+        return TYPE_PAIRS
+    parsed = tuple(dict.fromkeys(t.upper() for t in items))
+    bad = [t for t in parsed if len(t) != 2 or any(c not in WEIGHT_TYPES for c in t)]
+    if bad or not parsed:
+        raise UsageError(f"bad --types {','.join(bad) or '(empty)'}: use type pairs of Q,K,V,O like oq,ok,ov, "
+                         "or 'all'")
+    return parsed

@@ -2,6 +2,7 @@
 progress. Stages: subspaces -> projection kernel -> isotropic reference -> model-matched null ->
 composition scores -> tables. Each stage reads and extends a shared `AnalysisState`."""
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,37 +14,19 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from headgraph import __version__
 from headgraph.analysis import reference, significance
-from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, AnalysisResult, head_index
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, head_index
 from headgraph.analysis.composition import composition_scores
-from headgraph.analysis.pk import DEFAULT_MAX_MEMORY, pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
 from headgraph.analysis.subspaces import model_subspaces, rank_deficient_heads
+from headgraph.analysis.options import PKOptions
 from headgraph.errors import UsageError
-from headgraph.heads import COMPOSITION_TYPES, DEFAULT_TYPES, TYPE_PAIRS, WEIGHT_TYPES, head_name
+from headgraph.heads import COMPOSITION_TYPES, WEIGHT_TYPES, head_name, parse_types
+from headgraph.runs import AnalysisResult, Dims, ModelInfo, RunRecord
 
-__all__ = ["AnalysisResult", "analyze", "parse_types", "resolve_device"]
+__all__ = ["AnalysisResult", "analyze", "resolve_device"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-DEFAULT_REFERENCE_SAMPLES = 100_000
-DEFAULT_NULL_HEADS = 200
-
-
-@dataclass
-class AnalysisOptions:
-    """Everything that shapes a run besides the model."""
-
-    types: tuple[str, ...] = DEFAULT_TYPES
-    full_matrix: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    max_memory: int = DEFAULT_MAX_MEMORY
-    reference_samples: int = DEFAULT_REFERENCE_SAMPLES
-    null_heads: int = DEFAULT_NULL_HEADS
-    bin_width: float = reference.DEFAULT_BIN_WIDTH
-    kl_eps: float = reference.DEFAULT_KL_EPS
-    formulation: str = "auto"
 
 
 @dataclass
@@ -60,7 +43,7 @@ class AnalysisState:
     """What the stages build up."""
 
     model: object
-    options: AnalysisOptions
+    options: PKOptions
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     subspaces: dict = field(default_factory=dict)
     edges: dict[str, TypePairEdges] = field(default_factory=dict)
@@ -69,19 +52,6 @@ class AnalysisState:
     kl: dict[str, float] = field(default_factory=dict)
     null: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def parse_types(types) -> tuple[str, ...]:
-    """("OQ", "OK") / "oq,ok" / "all" -> a tuple of distinct upper-case type pairs, in {Q,K,V,O}^2."""
-    items = [t.strip() for t in types.split(",")] if isinstance(types, str) else list(types)
-    if [t.lower() for t in items] == ["all"]:
-        return TYPE_PAIRS
-    parsed = tuple(dict.fromkeys(t.upper() for t in items))
-    bad = [t for t in parsed if len(t) != 2 or any(c not in WEIGHT_TYPES for c in t)]
-    if bad or not parsed:
-        raise UsageError(f"bad --types {','.join(bad) or '(empty)'}: use type pairs of Q,K,V,O like oq,ok,ov, "
-                         "or 'all'")
-    return parsed
 
 
 def resolve_device(device: str | None) -> str:
@@ -270,35 +240,33 @@ def _kl_matrix(state: AnalysisState) -> list[list[float | None]]:
     return [[state.kl.get(s + t) for t in WEIGHT_TYPES] for s in WEIGHT_TYPES]
 
 
-def _run_metadata(state: AnalysisState, pairs: pd.DataFrame) -> dict:
+def _run_record(state: AnalysisState, pairs: pd.DataFrame) -> RunRecord:
     model, opts, cfg = state.model, state.options, state.model.cfg
     by_type = pairs.groupby(pairs.source_type + pairs.target_type)
     kv_group = _kv_group(model)
-    return {
-        "headgraph_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {"name": model.name, "source": str(model.source), "architecture": cfg.get("architecture"),
-                  "is_decoder": cfg.get("is_decoder")},
-        "dims": {key: cfg.get(key) for key in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "n_ctx")},
-        "processing": model.processing,
-        "processing_warnings": cfg.get("processing_warnings", []),
-        "device": opts.device,
-        "dtype": opts.dtype,
-        "seed": opts.seed,
-        "types": list(opts.types),
-        "pairs": "full matrix (all pairs but a head with its own same-type subspace)" if opts.full_matrix
+    return RunRecord(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        model=ModelInfo(model.name, str(model.source), cfg.get("architecture"), cfg.get("is_decoder")),
+        dims=Dims(**{key: cfg.get(key) for key in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "n_ctx")}),
+        processing=model.processing,
+        processing_warnings=tuple(cfg.get("processing_warnings", [])),
+        device=opts.device,
+        dtype=opts.dtype,
+        seed=opts.seed,
+        types=tuple(opts.types),
+        pairs="full matrix (all pairs but a head with its own same-type subspace)" if opts.full_matrix
         else "earlier layer -> strictly later layer",
-        "n_pairs": {tp: int(n) for tp, n in by_type.size().items()},
-        "max_memory": opts.max_memory,
-        "engine": state.engine,
-        "timings_s": state.timings,
-        "reference": state.reference,
-        "kl": {"definition": "KL(P_random || P_observed) in nats on the shared histogram grid",
-               "rows": list(WEIGHT_TYPES), "cols": list(WEIGHT_TYPES), "matrix": _kl_matrix(state)},
-        "mean_pk": {tp: float(v) for tp, v in by_type.pk.mean().items()},
-        "fraction_q_model_below_0.05": {tp: float((q < 0.05).mean()) for tp, q in by_type.q_model},
-        "null_model": state.null,
-        "nulls": {
+        n_pairs={tp: int(n) for tp, n in by_type.size().items()},
+        max_memory=opts.max_memory,
+        engine=state.engine,
+        timings_s=state.timings,
+        reference=state.reference,
+        kl={"definition": "KL(P_random || P_observed) in nats on the shared histogram grid",
+            "rows": list(WEIGHT_TYPES), "cols": list(WEIGHT_TYPES), "matrix": _kl_matrix(state)},
+        mean_pk={tp: float(v) for tp, v in by_type.pk.mean().items()},
+        fraction_q_model_below_005={tp: float((q < 0.05).mean()) for tp, q in by_type.q_model},
+        null_model=state.null,
+        nulls={
             "pk_norm": "pk / sqrt(rank_source * rank_target) (no null)",
             "z_iso": "isotropic Haar reference, exact mean and variance",
             "log10_p_iso": "isotropic Haar reference: " + state.reference["tail"],
@@ -307,28 +275,28 @@ def _run_metadata(state: AnalysisState, pairs: pd.DataFrame) -> dict:
             "cs": "Composition Score (Elhage et al. 2021), no null; null for type pairs other than OQ/OK/OV"
                   + (" and for OK/OV of grouped-query models" if kv_group > 1 else ""),
         },
-        "head_naming": "L{layer}H{head}" + ("; K/V endpoints are native KV heads L{layer}KV{kv_head}, "
-                                              f"query heads {kv_group}*g .. {kv_group}*g+{kv_group - 1} share KV head g"
-                                              if kv_group > 1 else ""),
-        "rank_deficient_heads": rank_deficient_heads(state.subspaces),
-    }
+        head_naming="L{layer}H{head}" + ("; K/V endpoints are native KV heads L{layer}KV{kv_head}, "
+                                         f"query heads {kv_group}*g .. {kv_group}*g+{kv_group - 1} share KV head g"
+                                         if kv_group > 1 else ""),
+        rank_deficient_heads=rank_deficient_heads(state.subspaces),
+    )
 
 
 STAGES = (stage_subspaces, stage_projection_kernel, stage_reference, stage_model_null, stage_composition)
 
 
-def analyze(model, types=DEFAULT_TYPES, *, full_matrix: bool = False, device: str | None = None,
-            dtype: str = "float32", seed: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
-            reference_samples: int = DEFAULT_REFERENCE_SAMPLES, null_heads: int = DEFAULT_NULL_HEADS,
-            bin_width: float = reference.DEFAULT_BIN_WIDTH, kl_eps: float = reference.DEFAULT_KL_EPS,
-            formulation: str = "auto", progress: bool = True, console: Console | None = None) -> AnalysisResult:
-    """Run every stage on a LoadedModel and return the run metadata, the pairs and the heads tables."""
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be float32 or float64, got {dtype!r}")
-    if null_heads < 2 or reference_samples < 100:
+def analyze(model, types=None, *, options: PKOptions | None = None, progress: bool = True,
+            console: Console | None = None, **settings) -> AnalysisResult:
+    """Run every stage on a LoadedModel and return the run record, the pairs and the heads tables.
+
+    `options` (default PKOptions()) with `types` and any other PKOptions field given by keyword replaced."""
+    options = dataclasses.replace(options or PKOptions(), **settings, **({"types": types} if types is not None else {}))
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be float32 or float64, got {options.dtype!r}")
+    if options.null_heads < 2 or options.reference_samples < 100:
         raise UsageError("null_heads must be >= 2 and reference_samples >= 100")
-    options = AnalysisOptions(parse_types(types), full_matrix, resolve_device(device), dtype, seed, int(max_memory),
-                              reference_samples, null_heads, bin_width, kl_eps, formulation)
+    options = dataclasses.replace(options, types=parse_types(options.types), device=resolve_device(options.device),
+                                  max_memory=int(options.max_memory))
     state = AnalysisState(model=model, options=options)
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn())
@@ -336,4 +304,4 @@ def analyze(model, types=DEFAULT_TYPES, *, full_matrix: bool = False, device: st
         for stage in STAGES:
             stage(state, bar)
     pairs = _pairs_table(state)
-    return AnalysisResult(run=_run_metadata(state, pairs), pairs=pairs, heads=_heads_table(state))
+    return AnalysisResult(run=_run_record(state, pairs), pairs=pairs, heads=_heads_table(state))

@@ -5,6 +5,7 @@ results went. The store comes last so that a run marked complete there is never 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -14,33 +15,23 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from headgraph.analysis.artifacts import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_artifacts
 from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
 from headgraph.errors import UsageError
 from headgraph.files import writable_folder
-from headgraph.heads import DEFAULT_TYPES
+from headgraph.analysis.options import PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import StoreSpec
+from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_run
 
-ROLE_DEFAULTS = {"n_inputs": 200, "tau": 3.0, "alpha": 0.05, "correction": "bh"}
-
-
-@dataclass
+@dataclass(frozen=True)
 class AnalyzeOptions:
-    """What `headgraph analyze` was asked to do, besides which model."""
+    """What `headgraph analyze` was asked to do, besides which model; defaults declared once, here and in the
+    stage options it holds (the CLI reads them)."""
 
-    out_dir: str | None = None
-    types: tuple[str, ...] = DEFAULT_TYPES
-    processing: str = "tl"
-    device: str | None = None
-    dtype: str = "float32"
-    seed: int = 0
-    max_memory: int = 2 << 30
-    full_matrix: bool = False
-    null_heads: int = 200
-    reference_samples: int = 100_000
-    roles: bool = True
-    role_options: dict = field(default_factory=lambda: dict(ROLE_DEFAULTS))
+    out_dir: str | None = None  # run folder (default runs/<run id>)
+    processing: str = "tl"  # tl: TransformerLens' folded/centred weights; raw: the checkpoint as stored
+    pk: PKOptions = field(default_factory=PKOptions)
+    roles: RoleOptions | None = field(default_factory=RoleOptions)  # None: no role tests
     policy: SelectionPolicy = field(default_factory=SelectionPolicy)
     classes: str | None = None
     store: StoreSpec | None = field(default_factory=StoreSpec)
@@ -90,9 +81,9 @@ def _clear_earlier_run(folder: Path) -> None:
 def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress: Progress) -> None:
     from headgraph.analysis.roles import compute_roles
 
-    roles, meta = compute_roles(model, seed=options.seed, progress=progress, **options.role_options)
+    roles, meta = compute_roles(model, seed=options.pk.seed, progress=progress, **dataclasses.asdict(options.roles))
     result.heads = result.heads.merge(roles, on=["head", "layer", "index"], how="left", validate="one_to_one")
-    result.run["roles"] = meta
+    result.run = dataclasses.replace(result.run, roles=meta)
 
 
 def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | None = None,
@@ -100,11 +91,11 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
     from headgraph.analysis.classes import load_classes
     from headgraph.loader.models import load_model, resolve_model
-    from headgraph.pipeline import analyze, parse_types, resolve_device
+    from headgraph.pipeline import analyze, resolve_device
     from headgraph.report.report import default_classes, render_report
 
     console = console or Console(stderr=True)
-    types, device = parse_types(options.types), resolve_device(options.device)
+    device = resolve_device(options.pk.device)
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
     resolve_model(model_name)  # an unknown model fails here, before the store is touched
     _check_folder(Path(options.out_dir or "runs"))
@@ -116,17 +107,16 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
         from headgraph.analysis.roles import check_tokenizer
 
         check_tokenizer(model)  # before the PK work, not after it
-    result = analyze(model, types, full_matrix=options.full_matrix, device=device, dtype=options.dtype,
-                     seed=options.seed, max_memory=options.max_memory, null_heads=options.null_heads,
-                     reference_samples=options.reference_samples, console=console, progress=progress)
+    result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console, progress=progress)
     run_id = new_run_id(model.name)
     folder = Path(options.out_dir or Path("runs") / run_id)
-    result.run.update(id=run_id, out_dir=str(folder.resolve()), selection=options.policy.describe())
+    result.run = dataclasses.replace(result.run, id=run_id, out_dir=str(folder.resolve()),
+                                     selection=options.policy.describe())
     with _progress(console, progress) as bar:
         if options.roles:
             _add_roles(result, model, options, bar)
         _clear_earlier_run(folder)
-        write_artifacts(result, folder)
+        write_run(result, folder)
         selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         paths = {}
         if options.report:

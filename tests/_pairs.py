@@ -10,13 +10,29 @@ import numpy as np
 import pandas as pd
 
 from headgraph.analysis.selection import SelectionPolicy, select_graph
+from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.graph import build_run_graph
+from headgraph.runs import Dims, ModelInfo, RunRecord
 
 HUB = "L2H1"
 
 
+def record(pairs, heads, id, model="toy-model", processing="tl", created="2026-01-01T00:00:00+00:00", **fields):
+    """The RunRecord of a run of these tables that no analysis produced: its sizes and types read from them,
+    the analysis fields empty."""
+    kinds = set(pairs["source_type"] + pairs["target_type"])
+    return RunRecord(
+        model=ModelInfo(model, model), dims=Dims(int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1, 64, 16),
+        processing=processing, device="cpu", dtype="float32", seed=0, types=tuple(t for t in TYPE_PAIRS if t in kinds),
+        pairs="earlier layer -> strictly later layer", n_pairs={}, max_memory=0, engine={}, timings_s={},
+        reference={}, kl={"matrix": []}, mean_pk={}, fraction_q_model_below_005={}, null_model={}, nulls={},
+        head_naming="L{layer}H{head}", rank_deficient_heads=[], created=created, id=id, **fields)
+
+
 def run_graph(pairs, heads, run, policy=SelectionPolicy(), classes=None):
-    """The stored graph of a run, built as `headgraph analyze` builds it: select once, then shape the rows."""
+    """The stored graph of a run, built as `headgraph analyze` builds it: select once, then shape the rows.
+    `run` is a RunRecord, or the fields of `record` as a dict."""
+    run = run if isinstance(run, RunRecord) else record(pairs, heads, **run)
     return build_run_graph(select_graph(pairs, heads, policy), run, classes)
 
 

@@ -14,6 +14,7 @@ import pandas as pd
 from scipy import stats
 
 from headgraph.analysis.reference import isotropic_log10_p
+from headgraph.runs import Dims, ModelInfo, RunRecord
 
 TYPES = "QKVO"
 
@@ -144,33 +145,36 @@ def write_run(run_dir, *, n_layers=4, n_heads=4, d_model=64, d_head=8, seed=0, b
     heads.to_parquet(run_dir / "heads.parquet", index=False)
 
     a, b = _beta(mean, var, d_head).args
-    run = {  # the layout headgraph.pipeline writes
-        "headgraph_version": "test",
-        "created": "2026-01-01T00:00:00+00:00",
-        "model": {"name": model, "source": str(run_dir / "model"), "architecture": "GPT2LMHeadModel",
-                  "is_decoder": True},
-        "dims": {"n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads,
-                 "d_model": d_model, "d_head": d_head, "n_ctx": 128},
-        "processing": "tl", "processing_warnings": [], "device": "cpu", "dtype": "float32", "seed": seed,
-        "types": list(types),
-        "pairs": "earlier layer -> strictly later layer",
-        "n_pairs": {tp: int(len(src)) for tp in types},
-        "timings_s": {"projection_kernel": 0.01},
-        "reference": {
+    run = RunRecord(
+        headgraph_version="test",
+        created="2026-01-01T00:00:00+00:00",
+        model=ModelInfo(model, str(run_dir / "model"), "GPT2LMHeadModel", True),
+        dims=Dims(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, d_model=d_model, d_head=d_head, n_ctx=128),
+        processing="tl", device="cpu", dtype="float32", seed=seed,
+        types=tuple(types),
+        pairs="earlier layer -> strictly later layer",
+        n_pairs={tp: int(len(src)) for tp in types},
+        max_memory=2**30,
+        engine={},
+        timings_s={"projection_kernel": 0.01},
+        reference={
             "moments": {f"{d_head},{d_head}": {"k": d_head, "k_prime": d_head, "mean": mean, "var": var,
                                                "beta_a": a, "beta_b": b}},
             "samples": 0, "sampler": "none (test fixture: Beta cdf on the grid)", "tail": "moment-matched Beta",
             "kl_grid": {"start": 0.0, "bin_width": 0.252, "n_bins": len(edges) - 1, "eps": 1e-10,
                         "reference_widths": {tp: [d_head, d_head] for tp in types}},
         },
-        "kl": {"definition": "KL(P_random || P_observed)", "rows": list(TYPES), "cols": list(TYPES),
-               "matrix": [[kl.get(s + t) for t in TYPES] for s in TYPES]},
-        "mean_pk": mean_pk,
-        "null_model": {"name": "within_type_rank"},
-        "nulls": {"z_iso": "isotropic Haar reference, exact mean and variance",
-                  "p_model": "within_type_rank: rank of the pair within its type (test fixture)",
-                  "q_model": "Benjamini-Hochberg within each type pair (p_model)"},
-        "rank_deficient_heads": [],
-    }
-    (run_dir / "run.json").write_text(json.dumps(run, indent=2))
+        kl={"definition": "KL(P_random || P_observed)", "rows": list(TYPES), "cols": list(TYPES),
+            "matrix": [[kl.get(s + t) for t in TYPES] for s in TYPES]},
+        mean_pk=mean_pk,
+        fraction_q_model_below_005={tp: float((pairs["q_model"][pairs["source_type"] + pairs["target_type"] == tp] < 0.05).mean())
+                                    for tp in types},
+        null_model={"name": "within_type_rank"},
+        nulls={"z_iso": "isotropic Haar reference, exact mean and variance",
+               "p_model": "within_type_rank: rank of the pair within its type (test fixture)",
+               "q_model": "Benjamini-Hochberg within each type pair (p_model)"},
+        head_naming="L{layer}H{head}",
+        rank_deficient_heads=[],
+    )
+    (run_dir / "run.json").write_text(json.dumps(run.to_json(), indent=2))
     return run_dir

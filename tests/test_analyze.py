@@ -1,6 +1,7 @@
 """The analyze pipeline and command on tiny synthetic models: artifact contract, planted edges on top, a
 random-init model without discoveries, options, and one-line errors."""
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, read_artifacts, write_artifacts
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
 from headgraph.cli import main
+from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
 from headgraph.pipeline import analyze
+from headgraph.runs import load_run, write_run
 
 FAST = {"reference_samples": 20_000, "null_heads": 120, "progress": False}
 
@@ -48,16 +51,16 @@ def test_pairs_and_heads_follow_the_artifact_contract(planted_run, planted_model
 
 def test_run_metadata_records_the_run(planted_run):
     run = planted_run.run
-    assert run["model"]["name"] and run["processing"] == "tl" and run["device"] == "cpu"
-    assert run["dtype"] == "float32" and run["seed"] == 1 and run["dims"]["d_model"] == 64
-    assert run["reference"]["moments"]["16,16"]["mean"] == pytest.approx(16 * 16 / 64)
-    kl = run["kl"]["matrix"]
+    assert run.model.name and run.processing == "tl" and run.device == "cpu"
+    assert run.dtype == "float32" and run.seed == 1 and run.dims.d_model == 64
+    assert run.reference["moments"]["16,16"]["mean"] == pytest.approx(16 * 16 / 64)
+    kl = run.kl["matrix"]
     assert kl[3][0] is not None and kl[3][1] is not None and kl[3][2] is not None  # OQ, OK, OV
     assert sum(v is None for row in kl for v in row) == 13
-    assert set(run["mean_pk"]) == {"OQ", "OK", "OV"}
-    assert {"z_iso", "log10_p_iso", "p_model", "q_model", "cs"} <= set(run["nulls"])
-    assert set(run["timings_s"]) == {"subspaces", "projection_kernel", "reference", "model_null", "composition"}
-    assert run["rank_deficient_heads"] == []
+    assert set(run.mean_pk) == {"OQ", "OK", "OV"}
+    assert {"z_iso", "log10_p_iso", "p_model", "q_model", "cs"} <= set(run.nulls)
+    assert set(run.timings_s) == {"subspaces", "projection_kernel", "reference", "model_null", "composition"}
+    assert run.rank_deficient_heads == []
 
 
 def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
@@ -77,7 +80,7 @@ def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
     result = analyze(random_model, types="all", **FAST)
     assert len(result.pairs) == 16 * 16  # 16 type pairs x (1 layer pair x 4 x 4 heads)
     assert (result.pairs.q_model < 0.05).mean() <= 0.05
-    assert all(v is not None for row in result.run["kl"]["matrix"] for v in row)
+    assert all(v is not None for row in result.run.kl["matrix"] for v in row)
     assert result.pairs.cs.notna().sum() == 3 * 16  # only OQ, OK, OV have a Composition Score
 
 
@@ -91,16 +94,31 @@ def test_full_matrix_and_float64(random_model):
     np.testing.assert_allclose(merged.pk_x, merged.pk_y, atol=1e-5)
 
 
-def test_artifacts_round_trip_with_nulls(random_model, tmp_path):
+def test_run_folder_round_trips_exactly_with_nulls(random_model, tmp_path):
     result = analyze(random_model, types=("OQ", "QK"), **FAST)
-    folder = write_artifacts(result, tmp_path / "run")
-    back = read_artifacts(folder)
+    result.run = dataclasses.replace(result.run, id="round-trip", out_dir=str(tmp_path / "run"), selection="top 20")
+    folder = write_run(result, tmp_path / "run")
+    back = load_run(folder)
     pd.testing.assert_frame_equal(back.pairs, result.pairs)
     pd.testing.assert_frame_equal(back.heads, result.heads)
-    assert back.run == json.loads(json.dumps(back.run))
+    assert back.record == result.run  # every field, through run.json and back
+    written = json.loads((folder / "run.json").read_text())
+    assert written["format_version"] == 1 and written == back.record.to_json()
     cs = pq.read_table(folder / "pairs.parquet").column("cs")
     assert cs.null_count == 16  # QK has no Composition Score: stored as null, not NaN
-    assert back.run["kl"]["matrix"][1][1] is None and math.isfinite(back.run["kl"]["matrix"][0][1])
+    assert written["kl"]["matrix"][1][1] is None and math.isfinite(written["kl"]["matrix"][0][1])
+
+
+def test_a_run_folder_of_the_format_before_versions_loads_and_a_newer_one_is_one_line(random_model, tmp_path):
+    result = analyze(random_model, types=("OQ",), **FAST)
+    folder = write_run(result, tmp_path / "run")
+    written = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))
+    assert load_run(folder).record == result.run  # headgraph 0.1 wrote the same fields without a version
+    (folder / "run.json").write_text(json.dumps({**written, "format_version": 7}))
+    with pytest.raises(UsageError, match=r"run format version 7; this headgraph .* reads versions 0 and 1") as e:
+        load_run(folder)
+    assert "\n" not in str(e.value)
 
 
 def run_cli(args, capsys):

@@ -15,16 +15,17 @@ ALLOWED = {
     "heads": {"errors"},
     "files": set(),
     "analysis": {"errors", "heads"},
-    "loader": {"errors", "heads", "files", "analysis.selection"},  # the selected graph's type, to shape rows
+    "runs": {"errors", "heads", "analysis.artifacts", "__init__"},
+    "loader": {"errors", "heads", "files", "runs", "analysis.selection"},  # the types of what it shapes into rows
     "queries": {"errors", "heads", "loader"},
-    "report": {"errors", "heads", "files", "analysis", "loader"},
-    "pipeline": {"errors", "heads", "analysis", "__init__"},
-    "workflow": {"errors", "heads", "files", "analysis", "loader", "pipeline", "report"},
+    "report": {"errors", "heads", "files", "analysis", "runs", "loader"},
+    "pipeline": {"errors", "heads", "analysis", "runs"},
+    "workflow": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report"},
     "testing": {"errors", "heads", "loader"},
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
-    "cli": {"errors", "heads", "files", "analysis", "loader", "queries", "report", "pipeline", "workflow", "doctor",
-            "neo4j_local", "__init__"},
+    "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
+            "doctor", "neo4j_local", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -10,7 +10,7 @@ from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import UsageError
 from headgraph.report.compare import compare_runs
-from headgraph.report.report import load_run
+from headgraph.runs import load_run
 
 D_MODEL, D_HEAD = 64, 8
 PLANTED = ("L1H2", "L3H1", "OK")
@@ -107,9 +107,9 @@ def test_cli_json_and_table(runs, capsys):
 @pytest.fixture(scope="module")
 def planted_checkpoints(tmp_path_factory):
     """Two planted GPT-2 checkpoints, run through the PK pipeline, that differ by one planted edge."""
-    from headgraph.analysis.artifacts import write_artifacts
     from headgraph.loader.models import load_model
     from headgraph.pipeline import analyze
+    from headgraph.runs import write_run as write_run_folder
     from headgraph.testing.planted import PlantSpec, save_planted
 
     root = tmp_path_factory.mktemp("checkpoints")
@@ -119,7 +119,7 @@ def planted_checkpoints(tmp_path_factory):
         folder, truths[name] = save_planted(root / name, spec)
         result = analyze(load_model(str(folder), processing="tl"), progress=False, null_heads=50,
                          reference_samples=2000)
-        runs[name] = load_run(write_artifacts(result, root / f"run-{name}"))
+        runs[name] = load_run(write_run_folder(result, root / f"run-{name}"))
     added = set(truths["tuned"].edges) - set(truths["base"].edges)
     return runs, added, truths["tuned"]
 

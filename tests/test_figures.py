@@ -13,7 +13,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from headgraph.analysis.selection import SelectionPolicy, select_edges
 from headgraph.report import figures
-from headgraph.report.report import load_run
+from headgraph.runs import load_run
 
 N_LAYERS, N_HEADS, D_MODEL, D_HEAD = 4, 4, 64, 8
 
@@ -25,7 +25,7 @@ def run(tmp_path_factory):
     folder = write_run(tmp_path_factory.mktemp("run"), bases=bases)
     meta = json.loads((folder / "run.json").read_text())
     kl = {r + c: meta["kl"]["matrix"][i][j] for i, r in enumerate("QKVO") for j, c in enumerate("QKVO")}
-    return {"dir": folder, "meta": meta, "kl": kl, "reference": load_run(folder).reference, "pairs": pd.read_parquet(folder / "pairs.parquet"),
+    return {"dir": folder, "meta": meta, "kl": kl, "reference": load_run(folder).record.reference_by_type, "pairs": pd.read_parquet(folder / "pairs.parquet"),
             "heads": pd.read_parquet(folder / "heads.parquet")}
 
 

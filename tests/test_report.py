@@ -1,6 +1,7 @@
 """The report: files, numbers taken from the run's data, a self-contained HTML page, clear errors."""
 
 import base64
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -14,7 +15,8 @@ from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import UsageError
-from headgraph.report.report import load_run, render_report, resolve_run_dir, role_table
+from headgraph.report.report import render_report, resolve_run_dir, role_table
+from headgraph.runs import RunRecord, load_run
 
 TOP_K = 5
 FIGURES = ("fig_pk_distributions", "fig_kl_heatmap", "fig_pk_vs_cs", "fig_topk_graph", "fig_roles", "fig_hubs")
@@ -125,15 +127,17 @@ def test_missing_artifacts_give_a_one_line_usage_error(tmp_path):
 
 
 @pytest.mark.parametrize("meta, message", [
-    ("[1, 2]", "run.json is not a JSON object"),
-    ("{}", "run.json lacks the isotropic reference of OQ, OK, OV"),
+    (lambda good: [1, 2], "run.json is not a JSON object"),
+    (lambda good: {}, "run.json lacks the fields model, dims, processing, device"),
+    (lambda good: {**good, "reference": {}}, "run.json lacks the isotropic reference of OQ, OK, OV"),
+    (lambda good: {**good, "colour": "blue"}, "run.json has unknown fields colour"),
 ])
 def test_a_malformed_run_json_gives_a_one_line_usage_error(rendered, tmp_path, capsys, meta, message):
     folder = tmp_path / "run"
     folder.mkdir()
     for name in ("pairs.parquet", "heads.parquet"):
         (folder / name).write_bytes((rendered["dir"] / name).read_bytes())
-    (folder / "run.json").write_text(meta)
+    (folder / "run.json").write_text(json.dumps(meta(rendered["meta"])))
     with pytest.raises(UsageError, match=message):
         load_run(folder)
     for args in (["report", str(folder)], ["compare", str(rendered["dir"]), str(folder)]):
@@ -162,7 +166,7 @@ def test_a_stored_run_id_resolves_to_its_folder(rendered, tmp_path):
     from headgraph.loader.open_store import StoreSpec, open_store
 
     spec = StoreSpec(db=str(tmp_path / "store.lbdb"))
-    run = {**rendered["meta"], "id": "report-test-run", "out_dir": str(rendered["dir"])}
+    run = dataclasses.replace(RunRecord.from_json(rendered["meta"]), id="report-test-run", out_dir=str(rendered["dir"]))
     with open_store(spec.db) as store:
         store.load_run(run_graph(rendered["pairs"], rendered["heads"], run, SelectionPolicy(top_k=2)), progress=False)
     assert resolve_run_dir("report-test-run", spec) == rendered["dir"]

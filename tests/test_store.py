@@ -1,6 +1,7 @@
 """Loading runs into both stores: round trip, one copy on reload, invisible half-loads, deletion, runs and
 models side by side, read-only refusal, locking and unreachable servers. Neo4j tests use the real server."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     result, truth = planted_analysis
     run_id = new_run_id()
     # 3 layers x 4 heads: 48 pairs per type; the top 5 per type holds every planted edge
-    graph = run_graph(result.pairs, result.heads, {**result.run, "id": run_id}, SelectionPolicy(top_k=5))
+    graph = run_graph(result.pairs, result.heads, dataclasses.replace(result.run, id=run_id), SelectionPolicy(top_k=5))
     load(store, graph)
     assert [r["head"] for r in run_named(store, "hubs", {"run": run_id, "limit": "1"}).records()][:1] == [truth.hub]
     report = hub_report(graph.heads, graph.edges)
@@ -106,7 +107,7 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     top = {(r["source"], r["target"], r["kind"]) for r in run_named(store, "top-edges", {"run": run_id, "limit": "2"}).records()}
     assert {(s, t, kind) for s, t, kind, _ in truth.edges} <= top
     (run,) = [r for r in store.runs() if r["id"] == run_id]
-    assert (run["model"], run["processing"], run["types"]) == (result.run["model"]["name"], "tl", ["OQ", "OK", "OV"])
+    assert (run["model"], run["processing"], run["types"]) == (result.run.model.name, "tl", ["OQ", "OK", "OV"])
 
 
 @pytest.mark.neo4j

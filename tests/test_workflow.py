@@ -123,6 +123,7 @@ def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkey
     import headgraph.analysis.selection
     import headgraph.loader.graph
     import headgraph.report.report  # noqa: F401 - loaded so that its bindings are counted too
+    from headgraph.analysis.options import PKOptions, RoleOptions
     from headgraph.analysis.selection import SelectionPolicy
     from headgraph.loader.open_store import StoreSpec
     from headgraph.workflow import AnalyzeOptions, run_analyze
@@ -138,9 +139,9 @@ def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkey
         for loaded in [m for n, m in sys.modules.items() if n.startswith("headgraph")]:
             if getattr(loaded, name, None) is original:
                 monkeypatch.setattr(loaded, name, counted)
-    options = AnalyzeOptions(out_dir=str(tmp_path / "run"), reference_samples=2000, null_heads=20,
-                             role_options={"n_inputs": 8, "tau": 3.0, "alpha": 0.05, "correction": "bh"},
-                             policy=SelectionPolicy(top_k=5), store=StoreSpec(db=str(tmp_path / "g.lbdb")))
+    options = AnalyzeOptions(out_dir=str(tmp_path / "run"), pk=PKOptions(reference_samples=2000, null_heads=20),
+                             roles=RoleOptions(n_inputs=8), policy=SelectionPolicy(top_k=5),
+                             store=StoreSpec(db=str(tmp_path / "g.lbdb")))
     outcome = run_analyze(str(planted[0]), options, progress=False)
     assert calls == {"select_edges": 1, "head_centrality": 1}
     assert outcome.report and len(outcome.selected.edges) == 15

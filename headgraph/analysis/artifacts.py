@@ -1,10 +1,8 @@
-"""Artifacts of one analysis run: run.json, pairs.parquet (one row per computed pair), heads.parquet (one row
-per head). NaN numbers are stored as nulls (parquet) and null (JSON)."""
+"""The tables of one analysis run: pairs.parquet (one row per computed pair) and heads.parquet (one row per head),
+their key columns, and reading them back (NaN numbers are stored as nulls). The run folder itself, with its
+run.json, is headgraph.runs."""
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,9 +10,6 @@ import pandas as pd
 from headgraph.errors import UsageError
 from headgraph.heads import head_name
 
-RUN_FILE = "run.json"
-PAIRS_FILE = "pairs.parquet"
-HEADS_FILE = "heads.parquet"
 PAIR_COLUMNS = ["source", "target", "source_layer", "source_head", "target_layer", "target_head", "source_type",
                 "target_type", "pk", "pk_norm", "z_iso", "log10_p_iso", "p_model", "q_model", "cs"]
 HEAD_COLUMNS = ["head", "layer", "index", "rank_q", "rank_k", "rank_v", "rank_o"]
@@ -26,15 +21,6 @@ def head_index(n_layers: int, n_heads: int) -> dict[str, list[str] | np.ndarray]
     return {"head": [head_name(l, h) for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
 
 
-@dataclass
-class AnalysisResult:
-    """One run: its metadata (run.json), its pairs and its heads."""
-
-    run: dict
-    pairs: pd.DataFrame
-    heads: pd.DataFrame
-
-
 def json_safe(value):
     """The value with NaN / inf floats replaced by None, recursively (strict JSON has no NaN)."""
     if isinstance(value, float):
@@ -44,18 +30,6 @@ def json_safe(value):
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
-
-
-def write_artifacts(result: AnalysisResult, out_dir) -> Path:
-    """Write run.json, pairs.parquet and heads.parquet into out_dir (created if missing); returns the folder."""
-    folder = Path(out_dir)
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"--out {folder} exists and is not a folder; choose another path")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUN_FILE).write_text(json.dumps(json_safe(result.run), indent=2, allow_nan=False))
-    result.pairs.to_parquet(folder / PAIRS_FILE, index=False)
-    result.heads.to_parquet(folder / HEADS_FILE, index=False)
-    return folder
 
 
 def require_columns(frame: pd.DataFrame, columns, path) -> None:
@@ -73,14 +47,3 @@ def read_table(path, columns=()) -> pd.DataFrame:
         raise UsageError(f"cannot read {path} ({str(e).splitlines()[0]}); rerun `headgraph analyze`") from e
     require_columns(frame, columns, path)
     return frame
-
-
-def read_artifacts(out_dir) -> AnalysisResult:
-    """Read a run folder written by `write_artifacts`."""
-    folder = Path(out_dir)
-    missing = [name for name in (RUN_FILE, PAIRS_FILE, HEADS_FILE) if not (folder / name).is_file()]
-    if missing:
-        raise UsageError(f"{folder} is not an analysis run folder (missing {', '.join(missing)}); "
-                         "run `headgraph analyze MODEL --out DIR` first")
-    run = json.loads((folder / RUN_FILE).read_text())
-    return AnalysisResult(run, pd.read_parquet(folder / PAIRS_FILE), pd.read_parquet(folder / HEADS_FILE))

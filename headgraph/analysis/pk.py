@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
+from headgraph.analysis.options import DEFAULT_MAX_MEMORY
+
 FORMULATIONS = ("gram", "projector")
-DEFAULT_MAX_MEMORY = 2 * 1024**3
 # Building projector blocks is many small batched GEMMs (b x k x b, b = k) plus copies; on this project's
 # 2-core CPU they ran at about a fifth of a large GEMM's FLOP/s, so the cost model weighs their FLOPs by 5.
 PROJECTOR_BUILD_EFFICIENCY = 0.2

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from scipy import special, stats
 
-DEFAULT_BIN_WIDTH = 64 / 254
-DEFAULT_KL_EPS = 1e-10
+from headgraph.analysis.options import DEFAULT_BIN_WIDTH, DEFAULT_KL_EPS
+
 _CHUNK = 8192
 
 

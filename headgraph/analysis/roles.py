@@ -32,9 +32,9 @@ from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
     sentence_pair_inputs,
 )
+from headgraph.analysis.options import CORRECTIONS, RoleOptions
 from headgraph.errors import ModelUnavailable, UsageError
 
-CORRECTIONS = ("none", "bh", "bonferroni")
 LOCAL_WINDOW = 2
 REPEAT_LENGTH = 20
 
@@ -220,21 +220,19 @@ def check_tokenizer(model) -> None:
                                "merges.txt), which the role tests need: add them, or analyze with --no-roles")
 
 
-def compute_roles(model, n_inputs: int = 200, seed: int = 0, tau: float = 3.0, alpha: float = 0.05,
-                  correction: str = "bh", batch_size: int = 32, progress=None) -> tuple[pd.DataFrame, dict]:
+def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.DataFrame, dict]:
     """Roles of every head of a LoadedModel: the heads table (one row per head) and a meta dict.
 
-    Decoder roles (model.cfg["is_decoder"]): identity, previous_token, bos on IOI prompts; duplicate_token,
-    induction on repeated random tokens. Encoder roles on sentence pairs: identity, local, delimiter, cls, sep,
-    block, block_entropy, syntactic_{nsubj,dobj,amod,advmod}, syntactic. `progress` is an optional
-    rich.progress.Progress that gets one task advanced per batch.
+    `settings` are RoleOptions fields (n_inputs, tau, alpha, correction, batch_size). Decoder roles
+    (model.cfg["is_decoder"]): identity, previous_token, bos on IOI prompts; duplicate_token, induction on
+    repeated random tokens. Encoder roles on sentence pairs: identity, local, delimiter, cls, sep, block,
+    block_entropy, syntactic_{nsubj,dobj,amod,advmod}, syntactic. `progress` is an optional
+    rich.progress.Progress that gets one task advanced per batch. A role flagged here is a statistical
+    statement about attention on generated inputs, not a claim about what the head does for the model's output.
     """
-    if n_inputs < 2:
-        raise UsageError(f"role tests need at least 2 inputs per input set, got n_inputs={n_inputs}")
-    if correction not in CORRECTIONS:
-        raise UsageError(f"unknown correction {correction!r}: use one of {', '.join(CORRECTIONS)}")
-    if not np.isfinite(tau):
-        raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {tau}")
+    options = RoleOptions(**settings)
+    n_inputs, tau, alpha, correction, batch_size = (options.n_inputs, options.tau, options.alpha, options.correction,
+                                                    options.batch_size)
     check_tokenizer(model)
     causal = bool(model.cfg["is_decoder"])
     roles = DECODER_ROLES if causal else ENCODER_ROLES

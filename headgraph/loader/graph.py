@@ -3,11 +3,10 @@ writes: Run and Model properties, Head rows keyed `<run id>/L4H7`, edge rows wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
-from typing import Any
 
 import pandas as pd
 
@@ -22,22 +21,9 @@ from headgraph.loader.store import (
     check_run_id,
     extra_head_properties,
 )
+from headgraph.runs import RunRecord
 
 _ROLE_COLUMN = re.compile(r"^[a-z][a-z0-9_]*(" + "|".join(EXTRA_HEAD_SUFFIXES) + ")$")
-
-
-def _model_record(run: Mapping[str, Any]) -> dict[str, Any]:
-    model = run.get("model")
-    info = dict(model) if isinstance(model, Mapping) else {"name": model}
-    info.update({k: v for k, v in dict(run.get("dims") or {}).items() if k not in info})
-    if not info.get("name"):
-        raise UsageError("the run record names no model; rerun `headgraph analyze`")
-    return {name: info.get(name) for name in MODEL_PROPERTIES}
-
-
-def _model_source(run: Mapping[str, Any]) -> str | None:
-    model = run.get("model")
-    return model.get("source") if isinstance(model, Mapping) else None
 
 
 def head_rows(
@@ -68,28 +54,31 @@ def edge_rows(edges: pd.DataFrame, run_id: str) -> pd.DataFrame:
 
 def build_run_graph(
     selected: SelectedGraph,
-    run: Mapping[str, Any],
+    run: RunRecord,
     classes: Mapping[str, Sequence[str]] | None = None,
 ) -> RunGraph:
     """Shape Run/Model/Head/edge rows for a store from what the analysis computed: the selected graph (edges,
-    nodes, centralities) and the run record."""
-    model = _model_record(run)
-    run_id = check_run_id(str(run.get("id") or ""))
+    nodes, centralities) and the run record (whose `id` must be set)."""
+    if run.id is None:
+        raise UsageError("the run record has no id yet: a run is stored once headgraph.workflow has given it one")
+    run_id = check_run_id(run.id)
+    info = {"name": run.model.name, "architecture": run.model.architecture, **dataclasses.asdict(run.dims)}
+    model = {name: info.get(name) for name in MODEL_PROPERTIES}
     edges, centrality, policy = selected.edges, selected.centrality, selected.policy
-    rows = head_rows(selected.nodes, run_id, model["name"], classes)
+    rows = head_rows(selected.nodes, run_id, run.model.name, classes)
     rows = rows.drop(columns=[c for c in centrality.columns if c != "name" and c in rows.columns])
     rows = rows.merge(centrality, on="name", how="left")
     record = {
         "id": run_id,
-        "model": model["name"],
-        "source": str(run.get("source") or _model_source(run) or model["name"]),
-        "processing": run.get("processing"),
-        "types": list(run.get("types") or sorted(set(edges["kind"]))),
+        "model": run.model.name,
+        "source": run.model.source,
+        "processing": run.processing,
+        "types": list(run.types),
         "top_k": policy.top_k,
         "max_q": policy.max_q,
         "min_z": policy.min_z,
         "policy": policy.describe(),
-        "created": str(run.get("created") or datetime.now(timezone.utc).isoformat(timespec="seconds")),
-        "params": json.dumps(dict(run), sort_keys=True, default=str),
+        "created": run.created,
+        "params": json.dumps(run.to_json(), sort_keys=True),
     }
     return RunGraph(record, model, rows, edge_rows(edges, run_id), extra_head_properties(rows.columns))

@@ -34,8 +34,8 @@ class Comparison:
 
 def check_same_architecture(run_a, run_b):
     """Raise UsageError unless both runs have the same dims."""
-    dims_a = {k: run_a.dims.get(k) for k in ARCH_KEYS}
-    dims_b = {k: run_b.dims.get(k) for k in ARCH_KEYS}
+    dims_a = {k: getattr(run_a.record.dims, k) for k in ARCH_KEYS}
+    dims_b = {k: getattr(run_b.record.dims, k) for k in ARCH_KEYS}
     differing = [f"{k} {dims_a[k]} vs {dims_b[k]}" for k in ARCH_KEYS if dims_a[k] != dims_b[k]]
     if differing:
         raise UsageError(f"runs have different architectures ({'; '.join(differing)}); "
@@ -43,7 +43,7 @@ def check_same_architecture(run_a, run_b):
 
 
 def _reference_sd(run):
-    return {tp: float(np.sqrt(ref["var"])) for tp, ref in run.reference.items()}
+    return {tp: float(np.sqrt(ref["var"])) for tp, ref in run.record.reference_by_type.items()}
 
 
 def edge_changes(pairs_a, pairs_b, reference_sd, policy=SelectionPolicy(), changed=10):
@@ -106,12 +106,13 @@ def role_changes(heads_a, heads_b):
 
 
 def compare_runs(run_a, run_b, policy=SelectionPolicy(), changed=10):
-    """Compare two loaded runs (headgraph.report.Run) of one architecture."""
+    """Compare two loaded runs (headgraph.runs.Run) of one architecture."""
     check_same_architecture(run_a, run_b)
     notes = []
     for key in ("processing", "dtype"):
-        if run_a.meta.get(key) != run_b.meta.get(key):
-            notes.append(f"{key} differs: {run_a.meta.get(key)} (A) vs {run_b.meta.get(key)} (B)")
+        a, b = getattr(run_a.record, key), getattr(run_b.record, key)
+        if a != b:
+            notes.append(f"{key} differs: {a} (A) vs {b} (B)")
     kinds_a, kinds_b = set(run_a.type_pairs), set(run_b.type_pairs)
     shared = kinds_a & kinds_b
     if not shared:

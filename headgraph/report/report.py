@@ -1,7 +1,7 @@
 """The report of one analysis run: figures plus `report.md` and a self-contained `report.html`.
 
-`load_run` reads a run folder (run.json, pairs.parquet, heads.parquet); the table builders take
-DataFrames and return DataFrames; `render_report` writes everything into the run folder.
+The table builders take a run folder read by headgraph.runs.load_run (or DataFrames) and return DataFrames;
+`render_report` writes everything into the run folder.
 """
 
 import base64
@@ -9,86 +9,20 @@ import html
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from headgraph.analysis.artifacts import HEADS_FILE, PAIR_COLUMNS, PAIRS_FILE, RUN_FILE, read_artifacts, require_columns
 from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import evaluate_pairs
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
+from headgraph.runs import Run, RunRecord, load_run
 
-HEAD_COLUMNS = ("head", "layer", "index")
 DEFAULT_EVAL_K = 20
-
-
-@dataclass
-class Run:
-    """One analysis run as read from its folder."""
-
-    path: Path
-    meta: dict
-    pairs: pd.DataFrame
-    heads: pd.DataFrame
-
-    @property
-    def model(self):
-        model = self.meta.get("model")
-        return str((model.get("name") if isinstance(model, dict) else model) or self.path.name)
-
-    @property
-    def dims(self):
-        return self.meta.get("dims", {})
-
-    @property
-    def type_pairs(self):
-        present = set(self.pairs["source_type"] + self.pairs["target_type"])
-        return [tp for tp in TYPE_PAIRS if tp in present]
-
-    @property
-    def kl(self):
-        """{type pair: KL(random ‖ observed) in nats or None} for all 16 type pairs."""
-        kl = self.meta.get("kl", {})
-        found = {r + c: kl["matrix"][i][j] for i, r in enumerate(kl.get("rows", ())) for j, c in enumerate(kl.get("cols", ()))}
-        return {tp: found.get(tp) for tp in TYPE_PAIRS}
-
-    @property
-    def reference(self):
-        """{type pair: {"k", "k_prime", "mean", "var", ...}}: the isotropic reference at the type's subspace widths."""
-        ref = self.meta.get("reference", {})
-        widths = ref.get("kl_grid", {}).get("reference_widths", {})
-        moments = ref.get("moments", {})
-        return {tp: moments[f"{k},{kp}"] for tp, (k, kp) in widths.items() if f"{k},{kp}" in moments}
-
-    @property
-    def nulls(self):
-        return self.meta.get("nulls", {})
-
-
-def load_run(run_dir):
-    """Read a run folder; a missing or malformed artifact raises UsageError naming it."""
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise UsageError(f"run folder '{path}' does not exist; pass the --out folder of `headgraph analyze`")
-    try:
-        result = read_artifacts(path)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"cannot read the run in '{path}' ({e}); rerun `headgraph analyze` into it") from e
-    if not isinstance(result.run, dict):
-        raise UsageError(f"{path / RUN_FILE} is not a JSON object; rerun `headgraph analyze` into '{path}'")
-    require_columns(result.pairs, PAIR_COLUMNS, path / PAIRS_FILE)
-    require_columns(result.heads, HEAD_COLUMNS, path / HEADS_FILE)
-    run = Run(path=path, meta=result.run, pairs=result.pairs, heads=result.heads)
-    unreferenced = [tp for tp in run.type_pairs if tp not in run.reference]
-    if unreferenced:
-        raise UsageError(f"{path / RUN_FILE} lacks the isotropic reference of {', '.join(unreferenced)}; "
-                         f"rerun `headgraph analyze` into '{path}'")
-    return run
 
 
 def type_summary(run, fraction=0.03, q_level=0.05):
@@ -97,11 +31,11 @@ def type_summary(run, fraction=0.03, q_level=0.05):
     stats = pairs.groupby("type").agg(pairs=("pk", "size"), mean_pk=("pk", "mean"), sd_pk=("pk", "std"),
                                       q_below=("q_model", lambda q: int((q < q_level).sum())))
     stats["top_cutoff"] = pairs.groupby("type")["pk"].quantile(1 - fraction)
-    ref = pd.DataFrame(run.reference).T.reindex(stats.index)
+    ref = pd.DataFrame(run.record.reference_by_type).T.reindex(stats.index)
     stats["ref_mean"] = ref["mean"].astype(float)
     stats["ref_sd"] = np.sqrt(ref["var"].astype(float))
     stats["mean_z"] = (stats["mean_pk"] - stats["ref_mean"]) / stats["ref_sd"]
-    stats["kl"] = [run.kl.get(tp) for tp in stats.index]
+    stats["kl"] = [run.record.kl_by_type.get(tp) for tp in stats.index]
     return stats.reindex([tp for tp in TYPE_PAIRS if tp in stats.index])
 
 
@@ -259,31 +193,29 @@ def to_html(blocks, title):
 # ---------------------------------------------------------------- the story
 
 def _settings_table(run):
-    meta, dims = run.meta, run.dims
-    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-    reference = meta.get("reference", {})
-    kv = dims.get("n_kv_heads")
+    record, dims = run.record, run.record.dims
+    reference = record.reference
+    kv = dims.n_kv_heads
     rows = {
         "model": run.model,
-        "source": model.get("source"),
-        "architecture": model.get("architecture"),
-        "layers × heads": f"{dims.get('n_layers')} × {dims.get('n_heads')}"
-                          + (f" ({kv} KV heads)" if kv not in (None, dims.get("n_heads")) else ""),
-        "d_model / d_head": f"{dims.get('d_model')} / {dims.get('d_head')}",
-        "weight processing": meta.get("processing"),
-        "processing warnings": "; ".join(meta.get("processing_warnings", [])) or "none",
-        "dtype / device": f"{meta.get('dtype')} / {meta.get('device')}",
-        "seed": meta.get("seed"),
+        "source": record.model.source,
+        "architecture": record.model.architecture,
+        "layers × heads": f"{dims.n_layers} × {dims.n_heads}" + (f" ({kv} KV heads)" if kv not in (None, dims.n_heads) else ""),
+        "d_model / d_head": f"{dims.d_model} / {dims.d_head}",
+        "weight processing": record.processing,
+        "processing warnings": "; ".join(record.processing_warnings) or "none",
+        "dtype / device": f"{record.dtype} / {record.device}",
+        "seed": record.seed,
         "type pairs computed": ", ".join(run.type_pairs) or "none",
-        "pairs": f"{len(run.pairs)} ({meta.get('pairs', 'earlier → later')})",
-        "heads below full rank": len(meta.get("rank_deficient_heads", [])),
+        "pairs": f"{len(run.pairs)} ({record.pairs})",
+        "heads below full rank": len(record.rank_deficient_heads),
         "reference sampler": f"{reference.get('sampler')} ({reference.get('samples')} samples)",
         "KL grid": "bin width {bin_width:.4g} from {start:g}, ε {eps:g}".format(**reference["kl_grid"])
                    if "kl_grid" in reference else None,
     }
-    rows.update({f"null for {key}": value for key, value in run.nulls.items()})
-    rows.update({f"time {key} (s)": value for key, value in meta.get("timings_s", {}).items()})
-    rows.update({"headgraph version": meta.get("headgraph_version"), "created": meta.get("created")})
+    rows.update({f"null for {key}": value for key, value in record.nulls.items()})
+    rows.update({f"time {key} (s)": value for key, value in record.timings_s.items()})
+    rows.update({"headgraph version": record.headgraph_version, "created": record.created})
     return pd.DataFrame({"value": [_fmt(v) for v in rows.values()]}, index=pd.Index(list(rows), name="setting"))
 
 
@@ -302,7 +234,7 @@ def _informativeness_text(summary):
 
 def _no_pairs_text(run):
     """Why a run has no head pairs, and so no edges."""
-    if run.dims.get("n_layers") == 1:
+    if run.record.dims.n_layers == 1:
         return ("**No head pairs**: this model has a single layer, so no head has a later head to compare with and "
                 "the graph has 0 edges. `headgraph analyze --full-matrix` also compares heads within a layer.")
     return "**No head pairs** were computed for this run, so the graph has 0 edges."
@@ -346,17 +278,16 @@ def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None
     advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
     """
     model = run.model
-    n_layers = int(run.dims.get("n_layers", run.heads["layer"].max() + 1))
-    n_heads = int(run.dims.get("n_heads", run.heads["index"].max() + 1))
+    n_layers, n_heads = run.record.dims.n_layers, run.record.dims.n_heads
     class_sets = dict(classes.classes) if classes is not None else None
     measures = ["pagerank", "hits_hub", "hits_authority", "betweenness", "weighted_degree"]
     builders = {
-        "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.reference, run.kl, model),
-        "fig_kl_heatmap": lambda: figures.kl_heatmap(run.kl, model),
+        "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
+        "fig_kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
         "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
         "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
-                                                     selection=selection, n_kv_heads=run.dims.get("n_kv_heads")),
-        "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=run.meta.get("roles", {}).get("tau", 3.0)),
+                                                     selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
+        "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
         "fig_hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
                                                      heads=hub_order),
     }
@@ -381,7 +312,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
               ("p", _informativeness_text(summary)),
               ("table", summary.rename(columns={"q_below": "edges q<0.05", "top_cutoff": "top-3% cut-off"})),
               ("p", "KL(random ‖ observed) in nats, rows = source type, columns = target type (— = not computed):"),
-              ("table", _kl_table(run.kl))]
+              ("table", _kl_table(run.record.kl_by_type))]
     for name, caption in (("fig_pk_distributions", "PK distribution per type pair against the random reference"),
                           ("fig_kl_heatmap", "KL(random ‖ observed) per type pair")):
         if name in figs:
@@ -460,7 +391,7 @@ def resolve_run_dir(run, store):
         where = opened.description
     if not rows:
         raise UsageError(f"'{run}' is neither a run folder nor a run id in {where}; `headgraph runs` lists the ids")
-    folder = json.loads(rows[0][0] or "{}").get("out_dir")
+    folder = RunRecord.from_json(json.loads(rows[0][0] or "{}"), f"the record of run '{run}' in {where}").out_dir
     if not folder or not Path(folder).is_dir():
         raise UsageError(f"run '{run}' does not record an existing run folder ({folder or 'none'}); "
                          "pass the folder that `headgraph analyze --out` wrote")

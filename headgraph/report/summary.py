@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 from rich.table import Table
-
-from headgraph.heads import WEIGHT_TYPES
 
 
 def significant_roles(heads, head: str) -> list[str]:
@@ -24,18 +24,17 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
     per_type = outcome.selected.edges.groupby("kind").size().to_dict() if len(outcome.selected.edges) else {}
     return {
         "run_id": outcome.run_id,
-        "model": run["model"]["name"],
-        "dims": run["dims"],
-        "processing": run["processing"],
-        "device": run["device"],
-        "dtype": run["dtype"],
+        "model": run.model.name,
+        "dims": dataclasses.asdict(run.dims),
+        "processing": run.processing,
+        "device": run.device,
+        "dtype": run.dtype,
         "heads": int(len(heads)),
-        "pairs": run["n_pairs"],
-        "selection": run.get("selection"),
-        "edges": {tp: int(per_type.get(tp, 0)) for tp in run["types"]},
-        "mean_pk": run["mean_pk"],
-        "kl": {s + t: v for s, row in zip(WEIGHT_TYPES, run["kl"]["matrix"]) for t, v in zip(WEIGHT_TYPES, row)
-               if s + t in run["types"]},
+        "pairs": run.n_pairs,
+        "selection": run.selection,
+        "edges": {tp: int(per_type.get(tp, 0)) for tp in run.types},
+        "mean_pk": run.mean_pk,
+        "kl": {tp: kl for tp, kl in run.kl_by_type.items() if tp in run.types},
         "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
                   "roles": significant_roles(heads, h["head"])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
         "folder": str(outcome.folder),

@@ -1,0 +1,52 @@
+"""The settings of the analysis stages, defaults declared once: the CLI, headgraph.workflow and the stages
+read them here (a light module: no torch, so `headgraph --help` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from headgraph.errors import UsageError
+from headgraph.heads import DEFAULT_TYPES
+
+DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
+DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
+DEFAULT_KL_EPS = 1e-10
+CORRECTIONS = ("none", "bh", "bonferroni")
+
+
+@dataclass(frozen=True)
+class PKOptions:
+    """Everything that shapes the PK stages besides the model, defaults declared once (the CLI reads them)."""
+
+    types: tuple[str, ...] = DEFAULT_TYPES  # weight-pair types; "oq,ok" or "all" are parsed by analyze()
+    full_matrix: bool = False  # also same-layer and backward pairs
+    device: str | None = None  # None: CUDA when present, else CPU
+    dtype: str = "float32"
+    seed: int = 0  # samplers of the references and the null
+    max_memory: int = DEFAULT_MAX_MEMORY  # working-memory budget of the engine's tiles, bytes
+    reference_samples: int = 100_000  # samples of the isotropic reference (KL matrix)
+    null_heads: int = 200  # random heads per type of the model-matched null (n^2 pairs give p_model)
+    bin_width: float = DEFAULT_BIN_WIDTH
+    kl_eps: float = DEFAULT_KL_EPS
+    formulation: str = "auto"
+
+
+@dataclass(frozen=True)
+class RoleOptions:
+    """The role tests' settings, defaults declared once (the CLI and headgraph.workflow read them here)."""
+
+    n_inputs: int = 200  # generated inputs per input set
+    tau: float = 3.0  # sieve-bias threshold of the one-sided t-test (uniform attention scores 1)
+    alpha: float = 0.05  # significance level of the decision
+    correction: str = "bh"  # multiple-testing correction across heads: none, bh, bonferroni
+    batch_size: int = 32
+
+    def __post_init__(self):
+        if self.n_inputs < 2:
+            raise UsageError(f"role tests need at least 2 inputs per input set, got n_inputs={self.n_inputs}")
+        if self.correction not in CORRECTIONS:
+            raise UsageError(f"unknown correction {self.correction!r}: use one of {', '.join(CORRECTIONS)}")
+        if not np.isfinite(self.tau):
+            raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {self.tau}")

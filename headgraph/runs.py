@@ -1,0 +1,198 @@
+"""The run record (run.json) and the run folder: written and read by these classes only.
+
+A run folder holds run.json (a `RunRecord`), pairs.parquet (one row per computed pair) and heads.parquet (one
+row per head). `RunRecord.to_json` / `RunRecord.from_json` are the only code that writes or reads run.json;
+NaN numbers are stored as null. Format versions: 1 is this one; a run.json without `format_version` was written
+before versions existed (headgraph 0.1) and has the same fields, so it is read as such; a newer version is
+refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from headgraph import __version__
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, read_table
+from headgraph.errors import UsageError
+from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
+
+FORMAT_VERSION = 1
+RUN_FILE = "run.json"
+PAIRS_FILE = "pairs.parquet"
+HEADS_FILE = "heads.parquet"
+_JSON_NAMES = {"fraction_q_model_below_005": "fraction_q_model_below_0.05"}  # field -> run.json key
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Which model was analysed: its name, where it came from, its architecture."""
+
+    name: str
+    source: str
+    architecture: str | None = None
+    is_decoder: bool | None = None
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes (n_kv_heads < n_heads for grouped-query attention)."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_head: int
+    n_kv_heads: int | None = None
+    n_ctx: int | None = None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Everything run.json says about one analysis. `id`, `out_dir` and `selection` are set once the run has
+    a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed."""
+
+    model: ModelInfo
+    dims: Dims
+    processing: str
+    device: str
+    dtype: str
+    seed: int
+    types: tuple[str, ...]
+    pairs: str
+    """Which pairs were computed, in words (earlier -> strictly later layer, or the full matrix)."""
+    n_pairs: dict[str, int]
+    max_memory: int
+    engine: dict[str, Any]
+    timings_s: dict[str, float]
+    reference: dict[str, Any]
+    """The isotropic reference: exact moments per subspace width pair, sampled laws, the KL grid."""
+    kl: dict[str, Any]
+    """KL(P_random || P_observed) per type pair as a 4 x 4 matrix over WEIGHT_TYPES (null: not computed)."""
+    mean_pk: dict[str, float]
+    fraction_q_model_below_005: dict[str, float]
+    null_model: dict[str, Any]
+    nulls: dict[str, str]
+    """What each statistic of pairs.parquet refers to: a number is only as meaningful as its reference."""
+    head_naming: str
+    rank_deficient_heads: list[dict[str, Any]]
+    processing_warnings: tuple[str, ...] = ()
+    headgraph_version: str = __version__
+    created: str = ""
+    id: str | None = None
+    out_dir: str | None = None
+    selection: str | None = None
+    roles: dict[str, Any] | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """The run.json object (strict JSON: NaN and infinities become null)."""
+        data = {_JSON_NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(model=dataclasses.asdict(self.model), dims=dataclasses.asdict(self.dims),
+                    types=list(self.types), processing_warnings=list(self.processing_warnings))
+        return json_safe(data)
+
+    @classmethod
+    def from_json(cls, data: Any, origin: str = RUN_FILE) -> RunRecord:
+        """A record from a run.json object; a malformed one or an unknown format version raises UsageError."""
+        if not isinstance(data, dict):
+            raise UsageError(f"{origin} is not a JSON object; rerun `headgraph analyze`")
+        version = data.get("format_version", 0)
+        if version not in (0, FORMAT_VERSION):
+            raise UsageError(f"{origin} has run format version {version!r}; this headgraph {__version__} reads "
+                             f"versions 0 and {FORMAT_VERSION}: upgrade headgraph or rerun `headgraph analyze`")
+        names = {_JSON_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise UsageError(f"{origin} has unknown fields {', '.join(unknown)}; rerun `headgraph analyze`")
+        required = [key for key, name in names.items()
+                    if cls.__dataclass_fields__[name].default is dataclasses.MISSING and key not in data]
+        if required:
+            raise UsageError(f"{origin} lacks the fields {', '.join(required)}; rerun `headgraph analyze`")
+        values = {names[key]: value for key, value in data.items()} | {"format_version": FORMAT_VERSION}
+        try:
+            values.update(model=ModelInfo(**values["model"]), dims=Dims(**values["dims"]),
+                          types=tuple(values["types"]), processing_warnings=tuple(values.get("processing_warnings", ())))
+            return cls(**values)
+        except (KeyError, TypeError) as e:
+            raise UsageError(f"{origin} is not a headgraph run record ({e}); rerun `headgraph analyze`") from None
+
+    @property
+    def kl_by_type(self) -> dict[str, float | None]:
+        """{type pair: KL in nats, or None where not computed} for all 16 type pairs."""
+        rows, cols, matrix = self.kl.get("rows", WEIGHT_TYPES), self.kl.get("cols", WEIGHT_TYPES), self.kl["matrix"]
+        found = {r + c: matrix[i][j] for i, r in enumerate(rows) for j, c in enumerate(cols)}
+        return {tp: found.get(tp) for tp in TYPE_PAIRS}
+
+    @property
+    def reference_by_type(self) -> dict[str, dict[str, Any]]:
+        """{type pair: {"k", "k_prime", "mean", "var", ...}}: the isotropic reference at the type's widths."""
+        widths = self.reference.get("kl_grid", {}).get("reference_widths", {})
+        moments = self.reference.get("moments", {})
+        return {tp: moments[f"{k},{kp}"] for tp, (k, kp) in widths.items() if f"{k},{kp}" in moments}
+
+
+@dataclass
+class AnalysisResult:
+    """One analysis: its record and its tables (the artifact contract of PAIR_COLUMNS / HEAD_COLUMNS)."""
+
+    run: RunRecord
+    pairs: pd.DataFrame
+    heads: pd.DataFrame = field(repr=False)
+
+
+def write_run(result: AnalysisResult, out_dir) -> Path:
+    """Write run.json, pairs.parquet and heads.parquet into out_dir (created if missing); returns the folder."""
+    folder = Path(out_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} exists and is not a folder; choose another path")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RUN_FILE).write_text(json.dumps(result.run.to_json(), indent=2, allow_nan=False))
+    result.pairs.to_parquet(folder / PAIRS_FILE, index=False)
+    result.heads.to_parquet(folder / HEADS_FILE, index=False)
+    return folder
+
+
+@dataclass
+class Run:
+    """One analysis run as read from its folder."""
+
+    path: Path
+    record: RunRecord
+    pairs: pd.DataFrame
+    heads: pd.DataFrame
+
+    @property
+    def model(self) -> str:
+        return self.record.model.name
+
+    @property
+    def type_pairs(self) -> list[str]:
+        present = set(self.pairs["source_type"] + self.pairs["target_type"])
+        return [tp for tp in TYPE_PAIRS if tp in present]
+
+
+def load_run(run_dir) -> Run:
+    """Read a run folder; a missing or malformed artifact raises UsageError naming it."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UsageError(f"run folder '{path}' does not exist; pass the --out folder of `headgraph analyze`")
+    missing = [name for name in (RUN_FILE, PAIRS_FILE, HEADS_FILE) if not (path / name).is_file()]
+    if missing:
+        raise UsageError(f"{path} is not an analysis run folder (missing {', '.join(missing)}); "
+                         "run `headgraph analyze MODEL --out DIR` first")
+    try:
+        data = json.loads((path / RUN_FILE).read_text())
+    except (ValueError, OSError) as e:
+        raise UsageError(f"cannot read {path / RUN_FILE} ({e}); rerun `headgraph analyze` into '{path}'") from None
+    record = RunRecord.from_json(data, str(path / RUN_FILE))
+    run = Run(path, record, read_table(path / PAIRS_FILE, PAIR_COLUMNS), read_table(path / HEADS_FILE, HEAD_COLUMNS[:3]))
+    unreferenced = [tp for tp in run.type_pairs if tp not in record.reference_by_type]
+    if unreferenced:
+        raise UsageError(f"{path / RUN_FILE} lacks the isotropic reference of {', '.join(unreferenced)}; "
+                         f"rerun `headgraph analyze` into '{path}'")
+    return run
