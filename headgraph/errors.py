@@ -1,6 +1,13 @@
 """Errors the CLI turns into one clear line and an exit code (no traceback unless --debug)."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (a driver's `message` where it has one), at most 200 characters,
+    for a one-line error that names the cause."""
+    text = (getattr(error, "message", None) or str(error)).strip()
+    return (text.splitlines() or [type(error).__name__])[0][:200]
+
+
 class HeadgraphError(Exception):
     """A user-facing failure: its message is one line that says what to do."""
 

@@ -129,6 +129,6 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
             graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
             with options.store.open() as store:
-                store.load_run(graph, progress=False)
+                store.load_run(graph)
             bar.advance(task)
     return AnalyzeOutcome(run_id, folder, result, selected, store_description, paths)

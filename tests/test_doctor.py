@@ -43,10 +43,10 @@ def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path)
             raise KeyboardInterrupt
 
     with LadybugStore(path) as store:
-        store.load_run(run_graph(pairs, heads, {"id": "done", "model": "toy"}), progress=False)
+        store.load_run(run_graph(pairs, heads, {"id": "done", "model": "toy"}))
         try:
             store.load_run(run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
-                           after_batch=stop_half_way, cleanup_on_error=False, progress=False)
+                           after_batch=stop_half_way, cleanup_on_error=False)
         except KeyboardInterrupt:
             pass
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_")}

@@ -196,7 +196,7 @@ def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
 
     path = tmp_path / "graph.lbdb"
     with LadybugStore(path) as store:
-        store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}), progress=False)
+        store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}))
     env = {**os.environ, "NEO4J_URI": ""}
     process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles",
                               "--null-heads", "2", "--reference-samples", "100", "--out", str(tmp_path / "run"),
@@ -248,7 +248,7 @@ with LadybugStore(sys.argv[1]) as store:
     print("writing", flush=True)
     deadline = time.monotonic() + float(sys.argv[3])
     while time.monotonic() < deadline:  # each load: delete + checkpoint, load, checkpoint, mark, checkpoint
-        store.load_run(graph, progress=False)
+        store.load_run(graph)
 """
 
 

@@ -29,17 +29,17 @@ IDENTITY = pd.DataFrame({"name": [HUB, "L5H3"], "identity_score": [0.9, 0.8], "i
 def graphs():
     pairs, heads = planted_pairs()
     run = {"model": "toy-model", "processing": "tl"}
-    a = run_graph(pairs, heads, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00"},
-                        SelectionPolicy(20), CLASSES)
+    with_identity = heads.merge(IDENTITY.rename(columns={"name": "head"}), on="head", how="left")  # roles of run A
+    a = run_graph(pairs, with_identity, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00"},
+                  SelectionPolicy(20), CLASSES)
     b = run_graph(pairs, heads, {**run, "id": RUN_B, "created": "2026-01-02T00:00:00+00:00"},
-                        SelectionPolicy(10), CLASSES)
+                  SelectionPolicy(10), CLASSES)
     return a, b
 
 
 def _fill(store, graphs):
     for graph in graphs:
-        store.load_run(graph, batch_size=25, progress=False)
-    store.set_head_properties(RUN_A, IDENTITY)
+        store.load_run(graph, batch_size=25)
     return store
 
 

@@ -60,7 +60,7 @@ def store(request, tmp_path):
 
 
 def load(store, graph, **kwargs):
-    store.load_run(graph, progress=False, **kwargs)
+    store.load_run(graph, **kwargs)
 
 
 def stored_edges(store, run_id):
@@ -193,20 +193,20 @@ def test_runs_and_models_live_side_by_side_and_delete_removes_one(store, tables)
 
 
 def test_role_results_become_head_properties(store, tables):
+    pairs, heads = tables
+    roles = pd.DataFrame({"head": ["L0H1", HUB, "L1H0"], "induction_score": [4.5, 1.0, np.nan],
+                          "induction_p": [1e-4, 0.6, np.nan], "induction_sig": [True, False, True],
+                          "not a role": ["x", "y", "z"]})
     run_id = new_run_id()
-    load(store, graph_of(tables, run_id))
-    values = pd.DataFrame({"name": ["L0H1", HUB], "induction_score": [4.5, 1.0], "induction_sig": [True, False]})
-    store.set_head_properties(run_id, values)
+    load(store, run_graph(pairs, heads.merge(roles, on="head", how="left"), {"id": run_id, "model": "toy-model"}))
     rows = store.read(
-        "MATCH (h:Head) WHERE h.run_id = $run AND h.induction_sig = true RETURN h.name, h.induction_score",
-        {"run": run_id},
+        "MATCH (h:Head) WHERE h.run_id = $run AND h.induction_sig = true RETURN h.name, h.induction_score "
+        "ORDER BY h.name", {"run": run_id},
     ).rows
-    assert rows == [["L0H1", 4.5]]
-    store.set_head_properties(run_id, pd.DataFrame({"name": ["L0H1"], "induction_score": [np.nan], "induction_p": [np.nan]}))
-    cleared = "MATCH (h:Head) WHERE h.key = $key RETURN h.induction_score, h.induction_p, h.induction_sig"
-    assert store.read(cleared, {"key": f"{run_id}/L0H1"}).rows == [[None, None, True]]
-    with pytest.raises(UsageError):
-        store.set_head_properties(run_id, pd.DataFrame({"name": ["L0H1"], "not a column": [1]}))
+    assert rows == [["L0H1", 4.5], ["L1H0", None]]  # NaN is stored as null
+    absent = "MATCH (h:Head) WHERE h.key = $key RETURN h.induction_score, h.induction_p, h.induction_sig"
+    assert store.read(absent, {"key": f"{run_id}/L5H3"}).rows == [[None, None, None]]  # a head without role results
+    assert all("not a role" not in r for r in store.read("MATCH (h:Head) RETURN keys(h) AS k LIMIT 1").rows[0][0])
 
 
 def test_the_read_path_refuses_writes(store, tables):

@@ -33,6 +33,7 @@ from headgraph.analysis.prompts import (
     sentence_pair_inputs,
 )
 from headgraph.analysis.options import CORRECTIONS, RoleOptions
+from headgraph.analysis.significance import benjamini_hochberg
 from headgraph.errors import ModelUnavailable, UsageError
 
 LOCAL_WINDOW = 2
@@ -166,7 +167,7 @@ def adjust_pvalues(p: np.ndarray, correction: str) -> np.ndarray:
     if correction == "none":
         return p
     if correction == "bh":
-        return stats.false_discovery_control(p, axis=-1, method="bh")
+        return benjamini_hochberg(p, axis=-1)
     if correction == "bonferroni":
         return np.minimum(p * p.shape[-1], 1.0)
     raise UsageError(f"unknown correction {correction!r}: use one of {', '.join(CORRECTIONS)}")

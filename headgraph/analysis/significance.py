@@ -14,6 +14,7 @@ q_model applies Benjamini-Hochberg within each type pair.
 """
 
 import numpy as np
+from scipy import stats
 import torch
 
 from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
@@ -82,15 +83,9 @@ def upper_p(observed: np.ndarray, null: np.ndarray, upper: float,
     return p
 
 
-def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
-    """BH q-values (monotone step-up adjusted p-values, capped at 1)."""
+def benjamini_hochberg(p: np.ndarray, axis: int = -1) -> np.ndarray:
+    """BH q-values along `axis` (monotone step-up adjusted p-values, capped at 1): scipy's, the one BH of
+    headgraph. A q-value bounds the expected share of false discoveries among pairs at or below it, under
+    the null's assumptions; it is not the probability that one pair is a false discovery."""
     p = np.asarray(p, dtype=np.float64)
-    m = p.size
-    if m == 0:
-        return p.copy()
-    order = np.argsort(p)
-    scaled = p[order] * m / np.arange(1, m + 1)
-    adjusted = np.minimum.accumulate(scaled[::-1])[::-1]
-    q = np.empty(m)
-    q[order] = np.minimum(adjusted, 1.0)
-    return q
+    return p.copy() if p.size == 0 else stats.false_discovery_control(p, axis=axis, method="bh")

@@ -31,7 +31,7 @@ import ladybug
 import pandas as pd
 import pyarrow as pa
 
-from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError, first_line
 from headgraph.heads import TYPE_PAIRS, check_type_pair
 from headgraph.loader.readonly import (
     LADYBUG_UNPLANNABLE,
@@ -80,8 +80,6 @@ def schema_ddl() -> list[str]:
     ]
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.Database:
@@ -100,11 +98,11 @@ def _open_database(path: str, read_only: bool, lock_timeout: float) -> ladybug.D
             if read_only and not locked and _recover(path):
                 continue  # no process holds the store: its recovery is done, open again
             if not read_only and not locked:
-                raise StoreUnavailable(f"cannot open the embedded store {path}: {_first_line(e)}") from None
+                raise StoreUnavailable(f"cannot open the embedded store {path}: {first_line(e)}") from None
             if time.monotonic() >= deadline:
                 holder = re.search(r"Lock is held by PID (\d+)", message)
                 by = f" (PID {holder.group(1)})" if holder else ""
-                seen = "" if locked else f" ({_first_line(e)})"
+                seen = "" if locked else f" ({first_line(e)})"
                 raise StoreUnavailable(
                     f"the embedded store {path} is in use by another process{by}{seen}; "
                     "wait for it to finish or pass another --db PATH"
@@ -120,7 +118,7 @@ def _recover(path: str) -> bool:
     except RuntimeError as e:
         if "Could not set lock" in str(e):
             return False
-        raise StoreUnavailable(f"cannot recover the embedded store {path}: {_first_line(e)}") from None
+        raise StoreUnavailable(f"cannot recover the embedded store {path}: {first_line(e)}") from None
     return True
 
 
@@ -219,7 +217,7 @@ class LadybugStore(GraphStore):
             check_ladybug_plan(plan.get_all()[0][0])
             (result,) = self._execute_in_transaction("BEGIN TRANSACTION READ ONLY", [(statement, values)])
         except RuntimeError as e:
-            message = _first_line(e)
+            message = first_line(e)
             if any(marker in message for marker in _READ_ONLY_REFUSALS):
                 raise ReadOnlyViolation("refused: the query would write; only reads run here") from None
             if message == "Interrupted.":

@@ -22,7 +22,7 @@ from neo4j import GraphDatabase
 from neo4j.exceptions import AuthError, ClientError, ConfigurationError, Neo4jError, ServiceUnavailable, SessionExpired
 from neo4j.graph import Node, Path, Relationship
 
-from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
+from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError, first_line
 from headgraph.heads import check_type_pair
 from headgraph.loader.readonly import (
     check_neo4j_plan,
@@ -52,9 +52,6 @@ SCHEMA = (
 ACCESS_MODE_CODES = ("Neo.ClientError.Statement.AccessMode", "Neo.ClientError.General.ForbiddenOnReadOnlyDatabase")
 
 
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
 def connect(uri: str, user: str, password: str) -> neo4j.Driver:
@@ -81,7 +78,7 @@ def connect(uri: str, user: str, password: str) -> neo4j.Driver:
                                       max_transaction_retry_time=2.0, connection_timeout=5.0,
                                       connection_acquisition_timeout=10.0)
     except (ConfigurationError, ValueError) as e:
-        raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({_first_line(e)}); use e.g. bolt://127.0.0.1:7687") from None
+        raise StoreUnavailable(f"bad Neo4j URI {uri!r} ({first_line(e)}); use e.g. bolt://127.0.0.1:7687") from None
     try:
         driver.verify_connectivity()
     except AuthError:
@@ -212,8 +209,8 @@ class Neo4jStore(GraphStore):
             if e.code == "Neo.ClientError.Transaction.TransactionTimedOutClientConfiguration":
                 raise time_exceeded() from None
             if e.code == "Neo.TransientError.General.MemoryPoolOutOfMemoryError":
-                raise memory_exceeded(neo4j_memory_bound(_first_line(e))) from None
-            raise UsageError(f"Neo4j rejected the query: {_first_line(e)}") from None
+                raise memory_exceeded(neo4j_memory_bound(first_line(e))) from None
+            raise UsageError(f"Neo4j rejected the query: {first_line(e)}") from None
 
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
         """Hide the run first (status 'deleting', this process as its writer, so that no other process takes it

@@ -23,13 +23,12 @@ import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 import psutil
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import check_type_pair
@@ -291,11 +290,10 @@ class GraphStore(ABC):
         batch_size: int = DEFAULT_BATCH_SIZE,
         after_batch: Callable[[int, int], None] | None = None,
         cleanup_on_error: bool = True,
-        progress: bool = True,
     ) -> None:
         """Store one run so that it becomes visible only once all of it is durable; replaces an earlier copy.
 
-        `after_batch(done, total)` is called after each committed batch (progress hooks, fault injection).
+        `after_batch(done, total)` is called after each committed batch (a progress bar, fault injection).
         On an error the partial run is deleted when `cleanup_on_error`; otherwise (or when the process dies)
         it stays invisible, status 'loading', until the next read-write open finds its writer gone.
         """
@@ -310,12 +308,10 @@ class GraphStore(ABC):
         expected = {"heads": len(graph.heads), "edges": len(graph.edges)}
         try:
             self._begin_run(graph.run | {"n_heads": expected["heads"], "n_edges": expected["edges"]}, graph.model)
-            with _load_progress(progress, run_id, len(steps)) as advance:
-                for done, (write, part) in enumerate(steps, start=1):
-                    write(part)
-                    advance()
-                    if after_batch is not None:
-                        after_batch(done, len(steps))
+            for done, (write, part) in enumerate(steps, start=1):
+                write(part)
+                if after_batch is not None:
+                    after_batch(done, len(steps))
             self._seal_run(run_id, expected)
         except BaseException:
             if cleanup_on_error:
@@ -393,19 +389,6 @@ class GraphStore(ABC):
         """Whether the process that wrote a partial run may still be writing it (unknown hosts count as alive)."""
         return writer is not None and writer.alive() is not False
 
-    def set_head_properties(self, run_id: str, values: pd.DataFrame, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
-        """Write per-head values (a `name` column plus property columns) onto the run's Head nodes."""
-        check_run_id(run_id)
-        props = [c for c in values.columns if c != "name"]
-        self.ensure_schema(extra_head_properties(props))
-        keyed = values.assign(key=run_id + "/" + values["name"].astype(str))[["key", *props]]
-        for part in batches(keyed, batch_size):
-            present = [p for p in props if part[p].notna().any()]
-            cleared = ", ".join(f"h.{p} = NULL" for p in props if p not in present)
-            assignments = ", ".join(a for a in (_set_list("h", "row", present), cleared) if a)
-            cypher = f"UNWIND $rows AS row MATCH (h:Head {{key: row.key}}) SET {assignments}"
-            self._write([(cypher, {"rows": records(part[["key", *present]])})])
-
     # --- reading -------------------------------------------------------------------------------------
 
     def runs(self) -> list[dict[str, Any]]:
@@ -420,15 +403,3 @@ class GraphStore(ABC):
 
 def _set_list(variable: str, source: str, names) -> str:
     return ", ".join(f"{variable}.{n} = {source}.{n}" for n in names)
-
-
-@contextmanager
-def _load_progress(enabled: bool, run_id: str, total: int):
-    """A rich progress bar over load batches; yields `advance()`."""
-    if not enabled:
-        yield lambda: None
-        return
-    columns = (TextColumn("storing run {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True) as bar:
-        task = bar.add_task(run_id, total=total)
-        yield lambda: bar.advance(task)
