@@ -15,7 +15,7 @@ from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import UsageError
-from headgraph.report.report import render_report, resolve_run_dir, role_table
+from headgraph.report.report import render_report, resolve_run_dir, role_counts_by_layer
 from headgraph.runs import RunRecord, load_run
 
 TOP_K = 5
@@ -91,7 +91,7 @@ def test_hub_section_names_the_head_with_most_selected_edges(rendered):
 
 def test_role_table_counts_significant_heads_per_layer(rendered):
     heads = rendered["heads"]
-    table = role_table(heads)
+    table = role_counts_by_layer(heads)
     for role in ("identity", "previous_token"):
         per_layer = heads[heads[f"{role}_sig"]].groupby("layer").size()
         for layer in range(4):

@@ -21,6 +21,21 @@ def head_index(n_layers: int, n_heads: int) -> dict[str, list[str] | np.ndarray]
     return {"head": [head_name(l, h) for l, h in zip(layer.tolist(), index.tolist())], "layer": layer, "index": index}
 
 
+def role_names(heads: pd.DataFrame) -> list[str]:
+    """The roles tested in a heads table: the one rule, a role is a `<role>_sig` column (identity first, then
+    by name)."""
+    return sorted((c[: -len("_sig")] for c in heads.columns if c.endswith("_sig")), key=lambda r: (r != "identity", r))
+
+
+def roles_of(heads: pd.DataFrame) -> dict[str, list[str]]:
+    """{head: the roles whose test is significant for it}; heads without one are left out."""
+    found: dict[str, list[str]] = {}
+    for role in role_names(heads):
+        for head in heads.loc[heads[f"{role}_sig"].fillna(False).astype(bool), "head"]:
+            found.setdefault(head, []).append(role)
+    return found
+
+
 def json_safe(value):
     """The value with NaN / inf floats replaced by None, recursively (strict JSON has no NaN)."""
     if isinstance(value, float):

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from scipy import stats
 
-from headgraph.analysis.artifacts import head_index
+from headgraph.analysis.artifacts import head_index, role_names
 from headgraph.analysis.patterns import iter_patterns
 from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
@@ -290,11 +290,6 @@ def identity_map(heads: pd.DataFrame) -> np.ndarray:
     out = np.full((heads["layer"].max() + 1, heads["index"].max() + 1), np.nan)
     out[heads["layer"].to_numpy(), heads["index"].to_numpy()] = heads["identity_score"].to_numpy()
     return out
-
-
-def role_names(heads: pd.DataFrame) -> list[str]:
-    """Roles present in a heads table (columns <role>_sig), in column order."""
-    return [c[: -len("_sig")] for c in heads.columns if c.endswith("_sig")]
 
 
 def role_table(heads: pd.DataFrame) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from headgraph.analysis.artifacts import role_names
 from headgraph.analysis.selection import SelectionPolicy, rank_pairs, select_edges
 from headgraph.errors import UsageError
 
@@ -75,7 +76,7 @@ def edge_changes(pairs_a, pairs_b, reference_sd, policy=SelectionPolicy(), chang
 
 
 def _roles(heads):
-    return [c[: -len("_sig")] for c in heads.columns if c.endswith("_sig") and f"{c[:-4]}_score" in heads]
+    return [r for r in role_names(heads) if f"{r}_score" in heads]
 
 
 def role_changes(heads_a, heads_b):

@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from headgraph.analysis.artifacts import role_names  # noqa: E402
 from headgraph.analysis.reference import beta_parameters  # noqa: E402
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES, head_name  # noqa: E402
 
@@ -302,12 +303,6 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
     return fig
 
 
-def role_columns(heads):
-    """Role names that have a `<role>_score` column in heads (identity first)."""
-    roles = [c[: -len("_score")] for c in heads.columns if c.endswith("_score")]
-    return sorted(roles, key=lambda r: (r != "identity", r))
-
-
 def _layer_head_grid(heads, column):
     grid = np.full((int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1), np.nan)
     grid[heads["layer"].to_numpy(int), heads["index"].to_numpy(int)] = heads[column].to_numpy(float)
@@ -320,7 +315,7 @@ def role_heatmaps(heads, model, tau=3.0):
     Sieve bias scores share one colour range from 0 to at least the test threshold tau (marked on the
     colour bar), so a uniform head (score 1) never looks strong.
     """
-    roles = role_columns(heads)
+    roles = [r for r in role_names(heads) if f"{r}_score" in heads]
     if not roles:
         return None
     n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from headgraph.analysis.artifacts import role_names, roles_of
 from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import evaluate_pairs
 from headgraph.analysis.selection import SelectionPolicy, select_graph
@@ -39,19 +40,9 @@ def type_summary(run, fraction=0.03, q_level=0.05):
     return stats.reindex([tp for tp in TYPE_PAIRS if tp in stats.index])
 
 
-def significant_roles(heads):
-    """{head: [roles whose `<role>_sig` is true]}."""
-    roles = [r for r in figures.role_columns(heads) if f"{r}_sig" in heads]
-    found = {}
-    for role in roles:
-        for head in heads.loc[heads[f"{role}_sig"].astype(bool), "head"]:
-            found.setdefault(head, []).append(role)
-    return found
-
-
-def role_table(heads):
+def role_counts_by_layer(heads):
     """Layer × role: the number of heads with a significant role (and their names when few)."""
-    roles = [r for r in figures.role_columns(heads) if f"{r}_sig" in heads]
+    roles = role_names(heads)
     if not roles:
         return None
     table = pd.DataFrame(index=pd.Index(sorted(heads["layer"].unique()), name="layer"))
@@ -71,7 +62,7 @@ def _count_with_names(names):
 
 def hub_table(report, heads):
     """The hub report (headgraph.analysis.centrality.hub_report) as a table with each hub's edges and roles."""
-    roles = significant_roles(heads)
+    roles = roles_of(heads)
     rows = []
     for hub in report["hubs"]:
         rows.append({"head": hub["head"], "degree": hub["degree"], "in": hub["in_degree"], "out": hub["out_degree"],
@@ -329,7 +320,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
                                     else [("p", "The selected graph has no edges, so no head is a hub.")])]
     if "fig_hubs" in figs:
         blocks.append(("fig", "Hub heads: degree by edge type and centralities", figs["fig_hubs"]))
-    roles = role_table(run.heads)
+    roles = role_counts_by_layer(run.heads)
     blocks.append(("h", 2, "Head roles"))
     if roles is None:
         blocks.append(("p", "No role results in heads.parquet (run `headgraph analyze` with roles)."))

@@ -7,20 +7,14 @@ import dataclasses
 from rich.console import Console
 from rich.table import Table
 
-
-def significant_roles(heads, head: str) -> list[str]:
-    """Names of the roles whose test is significant for `head` (columns `<role>_sig`)."""
-    row = heads.loc[heads["head"] == head]
-    if row.empty:
-        return []
-    sig = [c for c in heads.columns if c.endswith("_sig")]
-    return [c[: -len("_sig")] for c in sig if bool(row.iloc[0][c])]
+from headgraph.analysis.artifacts import roles_of
 
 
 def summary_data(outcome, top_hubs: int = 5) -> dict:
     """Everything the summary shows of a finished analyze (a headgraph.workflow.AnalyzeOutcome), as plain
     JSON-able data."""
     run, heads = outcome.result.run, outcome.result.heads
+    roles = roles_of(heads)
     per_type = outcome.selected.edges.groupby("kind").size().to_dict() if len(outcome.selected.edges) else {}
     return {
         "run_id": outcome.run_id,
@@ -36,7 +30,7 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
         "mean_pk": run.mean_pk,
         "kl": {tp: kl for tp, kl in run.kl_by_type.items() if tp in run.types},
         "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
-                  "roles": significant_roles(heads, h["head"])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
+                  "roles": roles.get(h["head"], [])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
         "folder": str(outcome.folder),
         "store": outcome.store,
         "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},
