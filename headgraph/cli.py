@@ -237,47 +237,22 @@ def cypher(statement, params, fmt, store):
 @DEVICE_OPTION
 def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identity_map, device):
     """Test every head of MODEL for roles (sieve bias t-tests) and print the heads per role per layer."""
-    import json
-    from pathlib import Path
-
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
-    from headgraph.analysis.roles import compute_roles, role_table
-    from headgraph.analysis.roles import identity_map as identity_array
+    from headgraph.analysis.roles import compute_roles
     from headgraph.loader.models import load_model
+    from headgraph.report.summary import print_roles
+    from headgraph.runs import write_roles
 
     loaded = load_model(model, processing="raw", device=device)
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         heads, meta = compute_roles(loaded, seed=seed, progress=progress, n_inputs=n_inputs, tau=tau, alpha=alpha,
                                     correction=correction)
-    counts = role_table(heads).T
-    console = Console()
-    table = Table(title=f"{loaded.name}: heads per role and layer",
-                  caption=f"{meta['model_kind']}; t-test of sieve bias > {tau}, alpha={alpha}, "
-                          f"correction={correction}, {n_inputs} inputs per set")
-    table.add_column("role")
-    for layer in counts.columns:
-        table.add_column(str(layer), justify="right")
-    for role, row in counts.iterrows():
-        table.add_row(role, *(str(v) for v in row))
-    console.print(table)
-    if identity_map:
-        grid = identity_array(heads)
-        id_table = Table(title="identity score (mean self-attention)", caption="rows: layers, columns: heads")
-        id_table.add_column("layer")
-        for h in range(grid.shape[1]):
-            id_table.add_column(str(h), justify="right")
-        for layer, row in enumerate(grid):
-            id_table.add_row(str(layer), *(f"{v:.2f}" for v in row))
-        console.print(id_table)
+    print_roles(loaded.name, heads, meta, Console(), identity_map=identity_map)
     if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        heads.to_parquet(out / "roles.parquet", index=False)
-        (out / "roles.json").write_text(json.dumps({"model": loaded.name, "source": loaded.source, **meta}, indent=2))
-        console.print(f"wrote {out / 'roles.parquet'} and {out / 'roles.json'}")
+        paths = write_roles(heads, {"model": loaded.name, "source": str(loaded.source), **meta}, out_dir)
+        click.echo(f"wrote {' and '.join(str(p) for p in paths)}")
 
 
 @cli.command("evaluate")

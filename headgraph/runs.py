@@ -157,6 +157,15 @@ def write_run(result: AnalysisResult, out_dir) -> Path:
     return folder
 
 
+def write_roles(heads: pd.DataFrame, meta: dict[str, Any], out_dir) -> tuple[Path, Path]:
+    """`headgraph roles --out`: roles.parquet (one row per head) and roles.json (the tests' settings)."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    heads.to_parquet(folder / "roles.parquet", index=False)
+    (folder / "roles.json").write_text(json.dumps(json_safe(meta), indent=2, allow_nan=False))
+    return folder / "roles.parquet", folder / "roles.json"
+
+
 @dataclass
 class Run:
     """One analysis run as read from its folder."""

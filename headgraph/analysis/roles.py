@@ -266,7 +266,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
         "roles": [role.name for role in roles],
         "role_inputs": {role.name: role.inputs for role in roles},
         "inputs": {name: {"n": len(x), "seed": seed} for name, x in inputs.items()},
-        "tau": tau, "alpha": alpha, "correction": correction,
+        "n_inputs": n_inputs, "tau": tau, "alpha": alpha, "correction": correction,
         "test": "one-sided one-sample t-test per head and role over inputs (scipy.stats.ttest_1samp, "
                 "alternative='greater') of the sieve bias score against tau; <role>_p uncorrected, "
                 f"<role>_sig at alpha after correction '{correction}' across the {n_layers * n_heads} heads",

@@ -10,6 +10,32 @@ from rich.table import Table
 from headgraph.analysis.artifacts import roles_of
 
 
+def print_roles(model: str, heads, meta: dict, console: Console, identity_map: bool = False) -> None:
+    """The role tests' result as tables: heads per role and layer, and optionally the identity-score map."""
+    from headgraph.analysis.roles import identity_map as identity_grid
+    from headgraph.analysis.roles import role_table
+
+    counts = role_table(heads).T
+    table = Table(title=f"{model}: heads per role and layer",
+                  caption=f"{meta['model_kind']}; t-test of sieve bias > {meta['tau']}, alpha={meta['alpha']}, "
+                          f"correction={meta['correction']}, {meta['n_inputs']} inputs per set")
+    table.add_column("role")
+    for layer in counts.columns:
+        table.add_column(str(layer), justify="right")
+    for role, row in counts.iterrows():
+        table.add_row(role, *(str(v) for v in row))
+    console.print(table)
+    if identity_map:
+        grid = identity_grid(heads)
+        id_table = Table(title="identity score (mean self-attention)", caption="rows: layers, columns: heads")
+        id_table.add_column("layer")
+        for h in range(grid.shape[1]):
+            id_table.add_column(str(h), justify="right")
+        for layer, row in enumerate(grid):
+            id_table.add_row(str(layer), *(f"{v:.2f}" for v in row))
+        console.print(id_table)
+
+
 def summary_data(outcome, top_hubs: int = 5) -> dict:
     """Everything the summary shows of a finished analyze (a headgraph.workflow.AnalyzeOutcome), as plain
     JSON-able data."""
