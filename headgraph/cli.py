@@ -269,13 +269,12 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
     and ROC-AUC / PR-AUC at separating pairs with both heads in known classes from the rest.
     """
     import json
-    import math
     from pathlib import Path
 
     from rich.console import Console
     from rich.table import Table
 
-    from headgraph.analysis.artifacts import read_table
+    from headgraph.analysis.artifacts import read_table, records
     from headgraph.analysis.classes import load_classes
     from headgraph.analysis.evaluation import PAIR_KEYS, evaluate_pairs
     from headgraph.errors import UsageError
@@ -289,11 +288,9 @@ def evaluate_command(run_dir, classes_name, top_k, as_json):
     model_heads = set(pairs["source"]) | set(pairs["target"])
     present = len(classes.heads & model_heads)
     if as_json:
-        records = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-                   for r in rows.to_dict("records")]
         click.echo(json.dumps({"run": str(run_dir), "top_k": top_k, "class_heads_in_run": present,
                                "classes": {"name": classes.name, "source": classes.source, "model": classes.model},
-                               "rows": records}, indent=2, default=int))
+                               "rows": records(rows)}, indent=2))
         return
     console = Console()
     table = Table(title=f"{classes.name} classes ({present} of {len(classes.heads)} class heads in this run), "

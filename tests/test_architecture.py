@@ -16,7 +16,7 @@ ALLOWED = {
     "files": set(),
     "analysis": {"errors", "heads"},
     "runs": {"errors", "heads", "analysis.artifacts", "__init__"},
-    "loader": {"errors", "heads", "files", "runs", "analysis.selection"},  # the types of what it shapes into rows
+    "loader": {"errors", "heads", "files", "runs", "analysis.selection", "analysis.artifacts"},  # types, table rows
     "queries": {"errors", "heads", "loader"},
     "report": {"errors", "heads", "files", "analysis", "runs", "loader"},
     "pipeline": {"errors", "heads", "analysis", "runs"},

@@ -36,6 +36,14 @@ def roles_of(heads: pd.DataFrame) -> dict[str, list[str]]:
     return found
 
 
+def records(frame: pd.DataFrame) -> list[dict]:
+    """DataFrame rows as plain-Python dicts: NaN and infinities -> None, numpy scalars -> Python (the one
+    conversion for query parameters and JSON output)."""
+    plain = frame.astype(object).where(frame.notna(), None)
+    return [{k: json_safe(v.item() if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v)
+             for k, v in row.items()} for row in plain.to_dict("records")]
+
+
 def json_safe(value):
     """The value with NaN / inf floats replaced by None, recursively (strict JSON has no NaN)."""
     if isinstance(value, float):

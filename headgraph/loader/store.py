@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 import psutil
 
+from headgraph.analysis.artifacts import records
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import check_type_pair
 
@@ -163,15 +164,6 @@ def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         raise UsageError(f"bad run id {run_id!r}: use letters, digits and . _ : - (no spaces or slashes)")
     return run_id
-
-
-def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """DataFrame rows as plain-Python dicts for query parameters (NaN -> None, numpy scalars -> Python)."""
-    plain = frame.astype(object).where(frame.notna(), None)
-    return [
-        {k: (v.item() if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v) for k, v in row.items()}
-        for row in plain.to_dict("records")
-    ]
 
 
 def batches(frame: pd.DataFrame, batch_size: int) -> list[pd.DataFrame]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from headgraph.analysis.artifacts import role_names
+from headgraph.analysis.artifacts import records, role_names
 from headgraph.analysis.selection import SelectionPolicy, rank_pairs, select_edges
 from headgraph.errors import UsageError
 
@@ -131,21 +131,13 @@ def compare_runs(run_a, run_b, policy=SelectionPolicy(), changed=10):
     return Comparison(str(run_a.path), str(run_b.path), policy, edges, role_changes(run_a.heads, run_b.heads), notes)
 
 
-def _plain(frame):
-    clean = frame.astype(object).where(frame.notna(), None)
-    rows = clean.to_dict("records")
-    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in rows]
-
-
 def comparison_json(comparison):
     """A JSON-ready dict of a Comparison (NaN → null)."""
-    def finite(v):
-        return None if isinstance(v, float) and not np.isfinite(v) else v
     return {
         "run_a": comparison.run_a, "run_b": comparison.run_b,
         "selection": comparison.policy.describe(),
-        "edges": [{k: finite(v) for k, v in row.items()} for row in _plain(comparison.edges)],
-        "roles": [{k: finite(v) for k, v in row.items()} for row in _plain(comparison.roles)],
+        "edges": records(comparison.edges),
+        "roles": records(comparison.roles),
         "notes": comparison.notes,
     }
 
