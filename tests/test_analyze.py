@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from _cli import run_cli
+
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
-from headgraph.cli import main
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
 from headgraph.pipeline import analyze
@@ -121,14 +122,6 @@ def test_a_run_folder_of_the_format_before_versions_loads_and_a_newer_one_is_one
     assert "\n" not in str(e.value)
 
 
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_path, capsys):

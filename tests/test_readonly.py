@@ -20,10 +20,10 @@ import uuid
 import ladybug
 import neo4j
 import pytest
+from _cli import run_cli
 from _pairs import HUB, planted_pairs, run_graph
 
 from headgraph.analysis.selection import SelectionPolicy
-from headgraph.cli import main
 from headgraph.errors import ReadOnlyViolation
 from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.ladybug_store import LadybugStore
@@ -37,17 +37,11 @@ SECRET = f"headgraph-secret-{uuid.uuid4().hex[:8]}"
 NAMED_PARAMS = {"neighbors": {"head": HUB}, "paths": {"source": "L0", "target": "L5"}, "compare-runs": {"other": SMALL}}
 
 
-def run_cli(capsys, *args):
-    """(exit code, stdout, stderr) of the `headgraph` entry point, run in this process."""
-    with pytest.raises(SystemExit) as exited:
-        main([*args])
-    captured = capsys.readouterr()
-    return exited.value.code, captured.out, captured.err
 
 
 def refused(capsys, statement, *store_args):
     """Run `headgraph cypher STATEMENT`; assert one line, exit 2, nothing on stdout; return all output."""
-    code, out, err = run_cli(capsys, "cypher", statement, *store_args)
+    code, out, err = run_cli(["cypher", statement, *store_args], capsys)
     assert (code, out) == (ReadOnlyViolation.exit_code, ""), (code, out, err)
     assert err.startswith("error: refused") and err.count("\n") == 1, err
     return out + err
@@ -421,12 +415,12 @@ def test_paths_on_a_dense_neo4j_run_fails_cleanly_or_answers(tmp_path, neo4j_con
 
 def test_a_bad_query_timeout_is_named(capsys, lbdb, monkeypatch):
     monkeypatch.setenv("HEADGRAPH_QUERY_TIMEOUT", "soon")
-    code, _, err = run_cli(capsys, "cypher", "RETURN 1", "--db", lbdb)
+    code, _, err = run_cli(["cypher", "RETURN 1", "--db", lbdb], capsys)
     assert code == 2 and "HEADGRAPH_QUERY_TIMEOUT" in err and "'soon'" in err and err.count("\n") == 1
 
 
 def test_a_query_past_the_timeout_stops_with_one_line(capsys, lbdb, monkeypatch):
     monkeypatch.setenv("HEADGRAPH_QUERY_TIMEOUT", "0.5")
     slow = "UNWIND range(1, 100000) AS a UNWIND range(1, 30000) AS b WITH a * b AS p WHERE p % 7 = 3 RETURN count(*)"
-    code, out, err = run_cli(capsys, "cypher", slow, "--db", lbdb)
+    code, out, err = run_cli(["cypher", slow, "--db", lbdb], capsys)
     assert (code, out) == (2, "") and "0.5 s limit of a read" in err and err.count("\n") == 1, err

@@ -11,12 +11,13 @@ import uuid
 import numpy as np
 import pandas as pd
 import pytest
+from _cli import run_cli
 from _pairs import HUB, planted_pairs, run_graph
 from click.testing import CliRunner
 
 from headgraph.analysis.centrality import hub_report
 from headgraph.analysis.selection import SelectionPolicy
-from headgraph.cli import cli, main
+from headgraph.cli import cli
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import load_model
@@ -219,19 +220,13 @@ def test_the_read_path_refuses_writes(store, tables):
     assert store.read("MATCH (r:Run) WHERE r.id = 'sneaky' RETURN count(r)").rows == [[0]]
 
 
-def run_cli(capsys, *args):
-    """(exit code, stdout, stderr) of the `headgraph` entry point."""
-    with pytest.raises(SystemExit) as exited:
-        main([*args])
-    captured = capsys.readouterr()
-    return exited.value.code, captured.out, captured.err
 
 
 def test_cypher_command_refuses_writes_on_the_embedded_store(tmp_path, tables, capsys):
     path = tmp_path / "cli.lbdb"
     with LadybugStore(path) as opened:
         load(opened, graph_of(tables, "cli-run"))
-    code, _, err = run_cli(capsys, "cypher", "CREATE (:Run {id: 'x'})", "--db", str(path))
+    code, _, err = run_cli(["cypher", "CREATE (:Run {id: 'x'})", "--db", str(path)], capsys)
     assert code == ReadOnlyViolation.exit_code and err.startswith("error: ") and err.count("\n") == 1
     result = CliRunner().invoke(cli, ["cypher", "MATCH (r:Run) RETURN r.id AS id", "--db", str(path), "--format", "json"])
     assert result.exit_code == 0 and json.loads(result.output) == [{"id": "cli-run"}]
@@ -241,7 +236,7 @@ def test_cypher_command_refuses_writes_on_the_embedded_store(tmp_path, tables, c
 def test_cypher_command_refuses_writes_on_neo4j(neo4j_config, monkeypatch, capsys):
     monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
     args = ["--neo4j", neo4j_config["uri"], "--neo4j-user", neo4j_config["user"]]
-    code, _, err = run_cli(capsys, "cypher", "CREATE (:Run {id: 'cli-sneaky'})", *args)
+    code, _, err = run_cli(["cypher", "CREATE (:Run {id: 'cli-sneaky'})", *args], capsys)
     assert code == ReadOnlyViolation.exit_code and err.startswith("error: ") and err.count("\n") == 1
     check = CliRunner().invoke(cli, ["cypher", "MATCH (r:Run {id: 'cli-sneaky'}) RETURN count(r) AS n", *args, "--format", "csv"])
     assert check.exit_code == 0 and check.output.splitlines() == ["n", "0"]
@@ -287,7 +282,7 @@ def test_an_unreachable_neo4j_is_one_clear_line(capsys):
     with pytest.raises(StoreUnavailable, match="cannot reach Neo4j") as error:
         open_store(neo4j="bolt://127.0.0.1:1", user="neo4j", password="x")
     assert "\n" not in str(error.value)
-    code, _, err = run_cli(capsys, "query", "hubs", "--neo4j", "bolt://127.0.0.1:1")
+    code, _, err = run_cli(["query", "hubs", "--neo4j", "bolt://127.0.0.1:1"], capsys)
     assert code == StoreUnavailable.exit_code and err.startswith("error: cannot reach Neo4j") and err.count("\n") == 1
 
 

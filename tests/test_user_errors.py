@@ -15,10 +15,10 @@ import uuid
 
 import pytest
 import torch
+from _cli import run_cli
 from _pairs import HUB, planted_pairs, run_graph
 
 from headgraph.analysis.selection import SelectionPolicy
-from headgraph.cli import main
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
 
@@ -27,14 +27,6 @@ QUICK = [*FAST, "--no-roles", "--no-store", "--no-report"]
 BIG_INT = "99999999999999999999"  # beyond int64
 
 
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(err: str) -> str:
