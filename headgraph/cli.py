@@ -362,6 +362,24 @@ def neo4j_group():
     """A local loopback Neo4j 5.26 built from Maven Central jars (no Docker); same as scripts/neo4j-local."""
 
 
+@neo4j_group.command("assemble")
+@click.option("--resolve", is_flag=True, help="First re-resolve the jars with Maven and rewrite the lock file.")
+def neo4j_assemble(resolve):
+    """Fetch the locked jars once into the server's home (reused afterwards)."""
+    import time
+
+    from headgraph.neo4j_local.server import (LOCK_FILE, LocalServer, locked_server_version, assemble,
+                                              assembled_version, resolve_lock)
+
+    server, began = LocalServer.from_env(), time.monotonic()
+    if resolve:
+        locked = locked_server_version(resolve_lock(LOCK_FILE), LOCK_FILE)
+        click.echo(f"Neo4j {locked} pinned in {LOCK_FILE} ({time.monotonic() - began:.1f} s)")
+        if assembled_version(server) not in (None, locked):
+            click.echo(f"{server.home} holds Neo4j {assembled_version(server)}; remove it to assemble {locked}")
+    click.echo(f"Neo4j {assemble(server)} assembled in {server.home} ({time.monotonic() - began:.1f} s)")
+
+
 @neo4j_group.command("start")
 @click.option("--print-env", is_flag=True, help="Print only `export NEO4J_...` lines on stdout (for eval).")
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for Bolt.")

@@ -1,6 +1,6 @@
 """A throw-away, loopback-only Neo4j 5.26 Community server assembled from Maven Central jars (no Docker).
 
-    python3 -m headgraph.neo4j_local assemble|start|stop|status     (scripts/neo4j-local is a wrapper)
+    headgraph neo4j assemble|start|stop|status     (scripts/neo4j-local is a wrapper)
 
 The home lives outside the repository (default ~/.cache/headgraph/neo4j-5.26, env HEADGRAPH_NEO4J_HOME) and
 is assembled once from the jars pinned in headgraph/data/neo4j-5.26.lock (coordinates + SHA-1), fetched in
@@ -14,7 +14,6 @@ headgraph's Browser style and guide, which Browser applies on connect (`browser.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from neo4j.exceptions import AuthError, DriverError, Neo4jError
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 
-from headgraph.errors import HeadgraphError, StoreUnavailable, UsageError
+from headgraph.errors import StoreUnavailable, UsageError
 
 NEO4J_VERSIONS = "[5.26.0,5.27.0)"  # the 5.26 LTS line, newest patch that resolves; runs on Java 17 and 21
 BROWSER_VERSION = "5.24.0"  # newest org.neo4j.client:neo4j-browser on Maven Central
@@ -345,7 +344,7 @@ def fetch_jars(jars: list[LockedJar], folder: Path, sources: JarSources, workers
     return downloaded
 
 
-def _locked_server_version(jars: list[LockedJar], lock: Path) -> str:
+def locked_server_version(jars: list[LockedJar], lock: Path) -> str:
     server_jar = next((jar for jar in jars if (jar.group, jar.artifact) == ("org.neo4j", "neo4j")), None)
     if server_jar is None or not server_jar.version.startswith("5.26."):
         raise StoreUnavailable(
@@ -372,7 +371,7 @@ def assemble(server: LocalServer, lock: Path = LOCK_FILE, sources: JarSources | 
     if version:
         return version
     jars = read_lock(lock)
-    version = _locked_server_version(jars, lock)
+    version = locked_server_version(jars, lock)
     server.home.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_staging(server.home)
     staging = server.home / f".lib-partial-{os.getpid()}"
@@ -624,50 +623,3 @@ def browser_hint(server: LocalServer) -> list[str]:
         f"style + guide:  applied on connect; or run  :style {server.assets_url}/style.grass",
         f"                and  :play {server.assets_url}/guide.html",
     ]
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neo4j-local", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    assemble_cmd = commands.add_parser("assemble", help="fetch the locked jars once into the home (reused afterwards)")
-    assemble_cmd.add_argument(
-        "--resolve", action="store_true", help=f"first re-resolve the jars with Maven and rewrite {LOCK_FILE.name}"
-    )
-    start_cmd = commands.add_parser("start", help="start in the background and wait for Bolt (no-op when running)")
-    start_cmd.add_argument("--print-env", action="store_true", help="print only `export NEO4J_…` lines on stdout")
-    start_cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Bolt (default 180)")
-    commands.add_parser("stop", help="stop the server cleanly")
-    commands.add_parser("status", help="print URI, pid and server version; exit 3 when not running")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    server = LocalServer.from_env()
-    try:
-        if args.command == "assemble":
-            began = time.monotonic()
-            if args.resolve:
-                locked = _locked_server_version(resolve_lock(LOCK_FILE), LOCK_FILE)
-                print(f"Neo4j {locked} pinned in {LOCK_FILE} ({time.monotonic() - began:.1f} s)")
-                if assembled_version(server) not in (None, locked):
-                    print(f"{server.home} holds Neo4j {assembled_version(server)}; remove it to assemble {locked}")
-            version = assemble(server)
-            print(f"Neo4j {version} assembled in {server.home} ({time.monotonic() - began:.1f} s)")
-        elif args.command == "start":
-            log = (lambda m: print(m, file=sys.stderr)) if args.print_env else print
-            start(server, timeout=args.timeout, log=log)
-            print("\n".join(env_lines(server)) if args.print_env else f"NEO4J_URI={server.uri}")
-        elif args.command == "stop":
-            stop(server)
-        else:
-            running = status(server)
-            if running is None:
-                print(f"Neo4j is not running (home {server.home})")
-                return 3
-            print(f"uri {server.uri}\npid {running.pid}\nversion {running.version}\nhome {server.home}")
-    except HeadgraphError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
-
