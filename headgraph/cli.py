@@ -449,20 +449,15 @@ def main(argv=None):
 @click.option("--neo4j", "neo4j_uri", default=None, metavar="URI", help="Neo4j server to check (env NEO4J_URI).")
 def doctor(db, neo4j_uri):
     """Versions, torch device, Neo4j reachability, embedded store path and offline models."""
-    import os
-
     from rich.console import Console
     from rich.table import Table
 
     from headgraph.doctor import report
+    from headgraph.loader.open_store import embedded_path, neo4j_settings
 
     table = Table(title="headgraph doctor", show_header=False)
-    rows = report(
-        db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB,
-        neo4j_uri or os.environ.get("NEO4J_URI"),
-        os.environ.get("NEO4J_USER") or "neo4j",
-        os.environ.get("NEO4J_PASSWORD", ""),
-    )
+    uri, user, password, _ = neo4j_settings(neo4j_uri)
+    rows = report(embedded_path(db), uri, user, password)
     for label, value in rows:
         table.add_row(label, value)
     Console().print(table)

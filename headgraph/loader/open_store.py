@@ -11,6 +11,20 @@ from headgraph.files import writable_folder
 from headgraph.loader.store import DEFAULT_DB, GraphStore
 
 
+def embedded_path(db: str | os.PathLike | None = None) -> str:
+    """The embedded store's path: `db`, else HEADGRAPH_DB, else ./headgraph.lbdb."""
+    return str(db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB)
+
+
+def neo4j_settings(uri: str | None = None, user: str | None = None,
+                   password: str | None = None) -> tuple[str | None, str, str, str]:
+    """(URI, user, password, database) from the arguments, else NEO4J_URI / NEO4J_USER (neo4j) /
+    NEO4J_PASSWORD / NEO4J_DATABASE (neo4j): the one place headgraph reads them."""
+    env = os.environ
+    return (uri or env.get("NEO4J_URI") or None, user or env.get("NEO4J_USER") or "neo4j",
+            password if password is not None else env.get("NEO4J_PASSWORD", ""), env.get("NEO4J_DATABASE") or "neo4j")
+
+
 def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[str, str]:
     """The store the user selected, unopened: ("neo4j", URI) when a URI is given (or NEO4J_URI is set and no
     --db), else ("ladybug", path) of `db` / HEADGRAPH_DB / ./headgraph.lbdb."""
@@ -22,10 +36,10 @@ def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None)
                          "--neo4j out")
     if db is not None and neo4j:
         raise UsageError("give either --db PATH (embedded store) or --neo4j URI, not both")
-    uri = neo4j or (None if db is not None else os.environ.get("NEO4J_URI") or None)
+    uri = neo4j or (None if db is not None else neo4j_settings()[0])
     if uri:
         return "neo4j", uri
-    return "ladybug", str(db or os.environ.get("HEADGRAPH_DB") or DEFAULT_DB)
+    return "ladybug", embedded_path(db)
 
 
 def open_store(
@@ -40,13 +54,8 @@ def open_store(
     if kind == "neo4j":
         from headgraph.loader.neo4j_store import Neo4jStore
 
-        return Neo4jStore(
-            where,
-            user or os.environ.get("NEO4J_USER") or "neo4j",
-            password if password is not None else os.environ.get("NEO4J_PASSWORD", ""),
-            database=os.environ.get("NEO4J_DATABASE") or "neo4j",
-            read_only=read_only,
-        )
+        _, user, password, database = neo4j_settings(where, user, password)
+        return Neo4jStore(where, user, password, database=database, read_only=read_only)
     from headgraph.loader.ladybug_store import LadybugStore
 
     return LadybugStore(where, read_only=read_only)
