@@ -21,7 +21,7 @@ from headgraph.files import writable_folder
 from headgraph.analysis.options import PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import StoreSpec
-from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, write_run
+from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, Run, write_run
 
 @dataclass(frozen=True)
 class AnalyzeOptions:
@@ -40,9 +40,9 @@ class AnalyzeOptions:
 
 @dataclass
 class AnalyzeOutcome:
-    """A finished analyze: the result tables, the selected graph, and where everything went."""
+    """A finished analyze: the result tables (its id is result.run.id), the selected graph, and where everything
+    went."""
 
-    run_id: str
     folder: Path
     result: AnalysisResult
     selected: SelectedGraph
@@ -123,7 +123,8 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             from headgraph.report.report import FIGURE_COUNT
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            paths = render_report(folder, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
+            run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
+            paths = render_report(run, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
                                   selected=selected)
         if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
             task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
@@ -131,4 +132,4 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
             with options.store.open() as store:
                 store.load_run(graph)
             bar.advance(task)
-    return AnalyzeOutcome(run_id, folder, result, selected, store_description, paths)
+    return AnalyzeOutcome(folder, result, selected, store_description, paths)

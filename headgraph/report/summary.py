@@ -43,7 +43,7 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
     roles = roles_of(heads)
     per_type = outcome.selected.edges.groupby("kind").size().to_dict() if len(outcome.selected.edges) else {}
     return {
-        "run_id": outcome.run_id,
+        "run_id": run.id,
         "model": run.model.name,
         "dims": dataclasses.asdict(run.dims),
         "processing": run.processing,
