@@ -77,6 +77,7 @@ def build_run_graph(
         "top_k": policy.top_k,
         "max_q": policy.max_q,
         "min_z": policy.min_z,
+        "min_effect": policy.min_effect,
         "policy": policy.describe(),
         "created": run.created,
         "params": json.dumps(run.to_json(), sort_keys=True),
