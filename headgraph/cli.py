@@ -353,6 +353,25 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
         print_comparison(comparison, limit or None)
 
 
+@cli.command("export")
+@click.argument("run_dir", metavar="RUN")
+@click.option("--format", "fmt", required=True, metavar="FORMAT",
+              help="graphml, gexf, cytoscape (Cytoscape.js JSON), csv (nodes.csv + edges.csv) or neo4j-import "
+                   "(CSVs for neo4j-admin database import full).")
+@click.option("--out", "out", required=True, metavar="PATH",
+              help="The file to write (graphml, gexf, cytoscape) or the folder (csv, neo4j-import).")
+@selection_options
+def export_command(run_dir, fmt, out, policy):
+    """Write the selected head graph of RUN (a run folder) for Gephi, Cytoscape, networkx, pandas or Neo4j."""
+    from headgraph.export import export_run
+    from headgraph.runs import load_run
+
+    exported = export_run(load_run(run_dir), policy, fmt, out)
+    click.echo(f"wrote {', '.join(str(p) for p in exported.paths)}")
+    if exported.command:
+        click.echo(f"import into a stopped, empty Neo4j database: {exported.command}")
+
+
 @cli.group("neo4j")
 def neo4j_group():
     """A local loopback Neo4j 5.26 built from Maven Central jars (no Docker); same as scripts/neo4j-local."""

@@ -105,7 +105,10 @@ def with_pair_endpoints(heads: pd.DataFrame | None, pairs: pd.DataFrame) -> pd.D
     ).drop_duplicates("head")
     if heads is None or not len(heads):
         return ends.reset_index(drop=True)
-    return pd.concat([heads, ends[~ends["head"].isin(heads["head"])]], ignore_index=True)
+    missing = ends[~ends["head"].isin(heads["head"])]
+    if missing.empty:  # concatenating nothing would still turn the integer columns (rank_q, ...) into floats
+        return heads.reset_index(drop=True)
+    return pd.concat([heads, missing], ignore_index=True)
 
 
 @dataclass(frozen=True)
