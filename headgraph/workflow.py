@@ -109,25 +109,28 @@ def _add_loss_effects(result: AnalysisResult, selected: SelectedGraph, stage, se
     return dataclasses.replace(selected, edges=edges)
 
 
-def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | None = None,
-                progress: bool = True) -> AnalyzeOutcome:
-    """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
+def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, progress: bool = True,
+                tokenizer=None) -> AnalyzeOutcome:
+    """Run the whole pipeline on one model and return what it produced (see the module docstring).
+
+    model: a name or folder, or a model already loaded (a transformers PreTrainedModel, with `tokenizer` or the
+    one saved beside it, or a TransformerBridge): headgraph.loader.models.load_model takes each the same way."""
     from headgraph.analysis.classes import load_classes
-    from headgraph.loader.models import load_model, resolve_model
+    from headgraph.loader.models import describe_model, load_model
     from headgraph.pipeline import analyze, resolve_device
     from headgraph.report.report import default_classes, render_report
 
     console = console or Console(stderr=True)
     device = resolve_device(options.pk.device)
+    model_name, _ = describe_model(model)  # an unknown model fails here, before the store is touched
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
-    resolve_model(model_name)  # an unknown model fails here, before the store is touched
     _check_folder(Path(options.out_dir or "runs"))
     if options.policy.min_effect is not None and options.causal is None:
         raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
 
     with console.status(f"loading {model_name}"):
-        model = load_model(model_name, processing=options.processing, device=device)
+        model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
     if options.roles:
         from headgraph.analysis.roles import check_tokenizer
 
