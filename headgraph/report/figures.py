@@ -5,11 +5,13 @@ types (weight pairs such as "OK") and `CLASS_COLORS` for known head classes and 
 Browser style uses the same values.
 """
 
+import sys
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules:  # a Jupyter kernel keeps its own (inline) backend, so figures show there
+    matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402

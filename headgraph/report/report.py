@@ -72,7 +72,7 @@ def hub_table(report, heads):
                      "in-edges (strongest per type)": _edge_summary(hub["edges"]["in"]),
                      "out-edges (strongest per type)": _edge_summary(hub["edges"]["out"]),
                      "significant roles": ", ".join(roles.get(hub["head"], [])) or "—",
-                     "top-10 under": f"{len(hub['top_in'])}/{len(report['measures'])} measures"})
+                     f"top-{report['top']} under": f"{len(hub['top_in'])}/{len(report['measures'])} measures"})
     return pd.DataFrame(rows).set_index("head")
 
 
@@ -260,37 +260,48 @@ def class_evaluation(run, classes, top_k):
     return evaluate_pairs(run.pairs, classes, k=top_k, types=types).set_index(["metric", "scope"])
 
 
-FIGURE_COUNT = 7
+FIGURES = ("pk_distributions", "kl_heatmap", "pk_vs_cs", "causal", "topk_graph", "roles", "hubs")
+"""The report's figures (a)–(g), by name; each is written as fig_<name>.png / .svg."""
+FIGURE_COUNT = len(FIGURES)
 
 
-def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None, selection="selected edges",
-                   advance=lambda: None):
-    """Write figures (a)–(g) that the run's data allows; {name: {"png": path, "svg": path}}.
-
-    advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
-    """
+def figure_builders(run, edges, centrality, classes=None, hub_order=None, selection="selected edges"):
+    """{name in FIGURES: a function that draws it as a matplotlib Figure, or returns None when the run lacks
+    its data (no causal effects, no roles)}."""
     model = run.model
     n_layers, n_heads = run.record.dims.n_layers, run.record.dims.n_heads
     class_sets = dict(classes.classes) if classes is not None else None
     measures = ["pagerank", "hits_hub", "hits_authority", "betweenness", "weighted_degree"]
-    builders = {
-        "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
-        "fig_kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
-        "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
-        "fig_causal": lambda: figures.effect_scatter(run.pairs, model, CAUSAL_THRESHOLD,
-                                                     causal_pairs(run.pairs, CAUSAL_THRESHOLD))
+    return {
+        "pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
+        "kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
+        "pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
+        "causal": lambda: figures.effect_scatter(run.pairs, model, CAUSAL_THRESHOLD,
+                                                 causal_pairs(run.pairs, CAUSAL_THRESHOLD))
         if "effect_lo" in run.pairs.columns else None,
-        "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
-                                                     selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
-        "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
-        "fig_hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
-                                                     heads=hub_order),
+        "topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
+                                                 selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
+        "roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
+        "hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
+                                                 heads=hub_order),
     }
+
+
+def selection_figures(run, selected, classes=None):
+    """`figure_builders` for a run's SelectedGraph, with the hub order of the report's hub table."""
+    return figure_builders(run, selected.edges, selected.centrality, classes,
+                           hub_order=list(hub_table(selected.hubs, run.heads).index),
+                           selection=selected.policy.describe())
+
+
+def render_figures(builders, out_dir, advance=lambda: None):
+    """Write the figures of `builders` (figure_builders) that the run's data allows; {"fig_<name>": {"png": path,
+    "svg": path}}. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar."""
     paths = {}
     for name, build in builders.items():
         fig = build()
         if fig is not None:
-            paths[name] = figures.save_figure(fig, out_dir, name)
+            paths[f"fig_{name}"] = figures.save_figure(fig, out_dir, f"fig_{name}")
         advance()
     return paths
 
@@ -390,10 +401,9 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
-    edges, centrality = selected.edges, selected.centrality
+    edges = selected.edges
     hubs = hub_table(selected.hubs, run.heads)
-    figs = render_figures(run, edges, centrality, out_dir, classes, hub_order=list(hubs.index),
-                          selection=policy.describe(), advance=advance)
+    figs = render_figures(selection_figures(run, selected, classes), out_dir, advance=advance)
     evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
     blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
