@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import click
 
-from headgraph import __version__
+from headgraph._version import __version__
 from headgraph.analysis.options import CORRECTIONS, CausalOptions, PKOptions, RoleOptions
 from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from headgraph import __version__
+from headgraph._version import __version__
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, read_table
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES

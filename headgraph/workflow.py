@@ -5,6 +5,7 @@ results went. The store comes last so that a run marked complete there is never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import secrets
@@ -129,7 +130,7 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
         raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
 
-    with console.status(f"loading {model_name}"):
+    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext():
         model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
     if options.roles:
         from headgraph.analysis.roles import check_tokenizer
