@@ -4,6 +4,7 @@ selected edges with their properties; saved, stored and re-selected runs read ba
 summary and bad options."""
 
 import dataclasses
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import headgraph
-from headgraph.errors import UsageError
+from headgraph.errors import ModelUnavailable, UsageError
 from headgraph.loader.models import PACKAGED_MODELS_DIR
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.loader.open_store import StoreSpec
@@ -36,8 +37,8 @@ def top_k_by_pk(pairs: pd.DataFrame, k: int) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One run with roles and causal effects (small input sets)."""
-    return headgraph.analyze("induction-2l", out=tmp_path_factory.mktemp("api") / "run", top_k=TOP_K,
+    """One run with roles, causal effects (small input sets) and its report."""
+    return headgraph.analyze("induction-2l", out=tmp_path_factory.mktemp("api") / "run", top_k=TOP_K, report=True,
                              roles_n_inputs=20, causal_n_inputs=8, causal_n_boot=200, **FAST)
 
 
@@ -62,6 +63,30 @@ def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(tmp_path)
     # the caller's objects are left as they were: weights, attention implementation, unprocessed bridge
     assert all(torch.equal(v, lm_head_model.state_dict()[k]) for k, v in weights_before.items())
     assert lm_head_model.config._attn_implementation == "sdpa" and not bridge.compatibility_mode
+
+
+def test_a_model_without_its_tokenizer_needs_tokenizer(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+    config = AutoConfig.from_pretrained(MODEL)
+    config._name_or_path = ""  # built in memory: nothing names where a tokenizer lies
+    model = GPT2LMHeadModel(config)
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(MODEL).state_dict())
+    with pytest.raises(ModelUnavailable, match="no tokenizer found for 'GPT2LMHeadModel'.*pass tokenizer="):
+        headgraph.analyze(model, out=tmp_path / "none", **PK_ONLY)
+    given = headgraph.analyze(model, tokenizer=AutoTokenizer.from_pretrained(MODEL), out=tmp_path / "given", **PK_ONLY)
+    assert given.record.model.source == "GPT2LMHeadModel in memory"
+    folder = headgraph.analyze(MODEL, out=tmp_path / "folder", **PK_ONLY)
+    pd.testing.assert_series_equal(pk_table(given), pk_table(folder), check_exact=True)
+
+
+def test_a_decoder_base_model_with_an_untied_head_is_refused(tmp_path):
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(MODEL)
+    base.config.tie_word_embeddings = False  # its LM head would be random, and the loss effects with it
+    with pytest.raises(UsageError, match="GPT2Model has no LM head.*AutoModelForCausalLM"):
+        headgraph.analyze(base, out=tmp_path / "run", **PK_ONLY)
 
 
 def test_the_graph_holds_exactly_the_selected_edges_with_every_property(run):
@@ -128,9 +153,12 @@ def test_hubs_rank_heads_by_degree_in_the_selection(run):
 
 
 @pytest.mark.parametrize("name", FIGURES)
-def test_plot_returns_the_reports_figure(run, name):
+def test_plot_returns_the_figure_the_report_drew(run, name):
     fig = run.plot(name)
     assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png", dpi=150, bbox_inches="tight")  # as the report saves it
+    assert drawn.getvalue() == (run.path / f"fig_{name}.png").read_bytes()
 
 
 def test_plot_names_its_choices_and_the_missing_data(run, tmp_path):
