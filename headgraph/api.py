@@ -152,14 +152,15 @@ def analyze(model, *, types=DEFAULT_TYPES, roles=True, causal=True, store=None, 
 
 def load_run(folder_or_id, store=None, policy: SelectionPolicy | None = None) -> Run:
     """A saved run: its folder, or the id of a stored run (its record names the folder) in `store` (None: the
-    default store, as the CLI; or what `analyze` takes). The graph is selected by `policy` (default: the top
-    20 per type, as `headgraph report` / `export`): run.json records the selection in words only, so pass the
-    policy of a run analysed or re-selected with another one."""
+    default store, as the CLI; or what `analyze` takes). The graph is selected by `policy`, by default the
+    selection the run records (run.json `selection`; the top 20 per type for a run that records none)."""
     from headgraph.report.report import resolve_run_dir
 
     spec = StoreSpec() if store is None else store_spec(store)
     base = runs.load_run(resolve_run_dir(str(folder_or_id), spec))
-    return Run(base.path, base.record, base.pairs, base.heads, policy=policy or SelectionPolicy())
+    recorded = SelectionPolicy.parse(base.record.selection) if base.record.selection else SelectionPolicy()
+    record = dataclasses.replace(base.record, selection=(policy or recorded).describe())
+    return Run(base.path, record, base.pairs, base.heads, policy=policy or recorded)
 
 
 @dataclass(eq=False, repr=False)

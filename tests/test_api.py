@@ -125,8 +125,19 @@ def test_load_run_of_a_saved_run_equals_the_original(run, tmp_path):
     assert dataclasses.replace(loaded.record, out_dir=run.record.out_dir) == run.record
     for table in ("pairs", "heads"):
         pd.testing.assert_frame_equal(getattr(loaded, table), getattr(run, table), check_exact=True)
-    reselected = headgraph.load_run(tmp_path / "copy", policy=run.policy)  # the policy is not in the tables
-    pd.testing.assert_frame_equal(reselected.edges, run.edges, check_exact=True)
+    assert loaded.policy == run.policy  # read back from the record's selection
+    pd.testing.assert_frame_equal(loaded.edges, run.edges, check_exact=True)
+    fewer = run.select(top_k=2, max_q=0.5).save(tmp_path / "fewer")
+    assert headgraph.load_run(tmp_path / "fewer").policy == SelectionPolicy(top_k=2, max_q=0.5)
+    assert headgraph.load_run(tmp_path / "fewer", policy=SelectionPolicy(top_k=1)).record.selection == \
+        "top 1 per type by PK"
+
+
+def test_a_selection_headgraph_did_not_write_is_refused():
+    with pytest.raises(UsageError, match="selection 'top five' is not one headgraph writes"):
+        SelectionPolicy.parse("top five")
+    with pytest.raises(UsageError, match="no rule 'pk >= 3'"):
+        SelectionPolicy.parse("pk >= 3, then top 5 per type by PK")
 
 
 def test_select_reselects_without_recomputing(run, monkeypatch):
