@@ -704,6 +704,7 @@ class CausalStage:
                               batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
                   "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs) for s in self.inputs} if o.loss else {},
                   "definitions": DEFINITIONS,
                   "timings_s": {"local": round(time.perf_counter() - start, 4)}}
         return with_effects(pairs, local), record
@@ -711,12 +712,14 @@ class CausalStage:
     def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
              ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
         """(pairs and edges with effect_loss / _lo / _hi, seconds taken) for the edges that have a local
-        effect, at most `loss_edges` per type, largest local effect first."""
+        effect, at most `loss_edges` per type, largest local effect first, on the first `loss_inputs` inputs of
+        each set."""
         start = time.perf_counter()
         o = self.options
         chosen = edges[edges["effect"].notna()].sort_values("effect", ascending=False, kind="stable")
         if o.loss_edges is not None:
             chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
-        loss = loss_effects(self.model, self.inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
+        inputs = tuple(s.batch(0, min(len(s), o.loss_inputs)) for s in self.inputs)
+        loss = loss_effects(self.model, inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
                             batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         return with_effects(pairs, loss), with_effects(edges, loss), round(time.perf_counter() - start, 4)
