@@ -1,11 +1,15 @@
-"""The interactive graph in report.html, driven in headless Chromium with real mouse and keyboard events.
+"""The interactive graph in report.html, driven in headless Chromium with real mouse and keyboard events, and
+`headgraph view`.
 
 The run is a planted-structure run folder (tests/_runfolder.py) whose OK pairs also carry causal effect columns.
 Expected values come from the run's own tables read with pandas (the top-k selection and the roles recomputed
 here) and from the Python graph (headgraph.analysis.network.head_network) for centralities; never from the page.
 """
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ from headgraph.analysis.centrality import COUNT_MEASURES, MEASURES
 from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
+from headgraph.cli import main
 from headgraph.report.interactive import LIBRARY
 from headgraph.report.report import render_report
 from headgraph.runs import load_run
@@ -245,3 +250,35 @@ def test_the_page_loads_nothing_from_anywhere(run_folder, chromium):
     assert chromium.execute_script("return window.__problems") == []
     ARTIFACTS.mkdir(exist_ok=True)
     chromium.save_screenshot(str(ARTIFACTS / "view-page.png"))
+
+
+def test_view_prints_or_opens_the_report_and_renders_a_missing_one(run_folder, tmp_path, capsys):
+    page = run_folder / "report.html"
+    before = page.stat().st_mtime_ns
+    main(["view", str(run_folder), "--no-open"])
+    assert capsys.readouterr().out == f"{page}\n" and page.stat().st_mtime_ns == before
+
+    bare = write_run(tmp_path / "bare")
+    main(["view", str(bare), "--no-open"])
+    out, err = capsys.readouterr()
+    assert out == f"{bare / 'report.html'}\n" and err.startswith(f"rendered {bare / 'report.html'}")
+    assert 'id="hg-view"' in (bare / "report.html").read_text()
+
+    record = tmp_path / "opened.txt"
+    opener = tmp_path / "browser.py"
+    opener.write_text(f"import sys; open({str(record)!r}, 'w').write(sys.argv[1])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "TERM")}
+    command = [sys.executable, "-m", "headgraph", "view", str(run_folder)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**env, "BROWSER": f"{sys.executable} {opener} %s"})
+    assert done.returncode == 0, done.stderr
+    assert record.read_text() == page.resolve().as_uri() and done.stdout == f"opened {page}\n"
+
+    failed = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**env, "BROWSER": "false %s"})
+    assert failed.returncode == 2 and failed.stderr.count("\n") == 1
+    assert failed.stderr.startswith("error: no web browser found to open")
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["view", str(tmp_path / "missing"), "--no-open"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: run folder")

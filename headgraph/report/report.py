@@ -396,6 +396,15 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     return paths
 
 
+def report_page(run_dir):
+    """The run folder's report.html, rendered first (default selection and classes) when the folder has none;
+    (path, whether it was rendered now). An existing page is shown as it is: `headgraph report` re-renders it."""
+    path = Path(run_dir) / "report.html"
+    if path.is_file():
+        return path, False
+    return render_report(run_dir)["report.html"], True
+
+
 def resolve_run_dir(run, store):
     """A run folder from RUN: a folder path, or the id of a stored run whose record names its folder.
 
