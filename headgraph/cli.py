@@ -7,7 +7,8 @@ from collections.abc import Callable
 import click
 
 from headgraph import __version__
-from headgraph.analysis.options import CORRECTIONS, PKOptions, RoleOptions
+from headgraph.analysis.options import CORRECTIONS, CausalOptions, PKOptions, RoleOptions
+from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
 from headgraph.heads import parse_types
 from headgraph.errors import HeadgraphError
@@ -16,7 +17,7 @@ from headgraph.loader.store import DEFAULT_DB
 from headgraph.workflow import AnalyzeOptions
 
 ANALYZE = AnalyzeOptions()  # the defaults every option below shows
-PK, ROLES = ANALYZE.pk, ANALYZE.roles
+PK, ROLES, CAUSAL = ANALYZE.pk, ANALYZE.roles, ANALYZE.causal
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,8 +48,11 @@ def parse_memory_size(ctx, param, value):
 
 
 def selection_options(command: Callable) -> Callable:
-    """Click options --top-k / --max-q / --min-z, passed to the command as one `policy: SelectionPolicy`."""
+    """Click options --top-k / --max-q / --min-z / --min-effect, passed to the command as one
+    `policy: SelectionPolicy`."""
 
+    @click.option("--min-effect", type=float, default=None, metavar="E",
+                  help="Keep edges whose local causal effect is >= E (OQ/OK/OV edges only: others have none).")
     @click.option("--min-z", type=float, default=None, metavar="Z", help="Keep edges with isotropic z >= Z.")
     @click.option("--max-q", type=float, default=None, metavar="Q", help="Keep edges with calibrated q_model <= Q (BH).")
     @click.option(
@@ -56,8 +60,8 @@ def selection_options(command: Callable) -> Callable:
         help="Keep the N strongest edges per weight-pair type (0: no per-type limit).",
     )
     @functools.wraps(command)
-    def wrapper(*args, top_k, max_q, min_z, **kwargs):
-        return command(*args, policy=SelectionPolicy(top_k or None, max_q, min_z), **kwargs)
+    def wrapper(*args, top_k, max_q, min_z, min_effect, **kwargs):
+        return command(*args, policy=SelectionPolicy(top_k or None, max_q, min_z, min_effect), **kwargs)
 
     return wrapper
 
@@ -107,6 +111,14 @@ CLASSES_OPTION = click.option(
               help="Generated inputs per input set of the role tests.")
 @click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
               help="Multiple-testing correction of the role tests across heads.")
+@click.option("--causal/--no-causal", default=True, show_default=True,
+              help="Direct-path patching: local effect of every OQ/OK/OV pair, loss effect of the selected edges.")
+@click.option("--causal-n", default=CAUSAL.n_inputs, show_default=True, type=click.IntRange(min=2),
+              help="Generated inputs per input set of the causal effects.")
+@click.option("--causal-inputs", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Patch on these texts (one a line) instead of the generated inputs.")
+@click.option("--causal-loss-edges", default=CAUSAL.loss_edges, show_default=True, type=click.IntRange(min=0),
+              help="Loss effects for at most N selected edges per type, largest local effect first (0: none).")
 @CLASSES_OPTION
 @selection_options
 @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
@@ -114,10 +126,11 @@ CLASSES_OPTION = click.option(
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @store_options
 def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
-                    reference_samples, roles, n_inputs, correction, classes_name, policy, no_store, no_report,
-                    as_json, store):
-    """Whole pipeline on MODEL (hub name, local folder, or all-MiniLM-L6-v2 offline): PK with references and
-    significance, Composition Score, roles, graph selection and centrality, store, report."""
+                    reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
+                    classes_name, policy, no_store, no_report, as_json, store):
+    """Whole pipeline on MODEL (hub name, local folder, or all-MiniLM-L6-v2 / induction-2l offline): PK with
+    references and significance, Composition Score, roles, causal effects, graph selection and centrality,
+    store, report."""
     import json
 
     from rich.console import Console
@@ -130,6 +143,8 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
     options = AnalyzeOptions(
         out_dir=out_dir, processing=processing, pk=pk,
         roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
+        causal=CausalOptions(n_inputs=causal_n, inputs_file=causal_inputs, loss=causal_loss_edges > 0,
+                             loss_edges=causal_loss_edges or None) if causal else None,
         policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report)
     console = Console(stderr=True)
     # progress bars only on a terminal: in a pipe or log they are frames of noise around the one-line error
@@ -257,52 +272,33 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identi
 
 @cli.command("evaluate")
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--classes", "classes_name", default="pk-paper", show_default=True,
+@click.option("--classes", "classes_name", default=None,
               help="Known classes: ioi (Wang et al. 2023), pk-paper (the PK paper's colouring) or a JSON file "
-                   '{"source": ..., "classes": {"name": ["L5H1", ...]}}.')
+                   '{"source": ..., "classes": {"name": ["L5H1", ...]}} (default: the model\'s known classes, '
+                   "pk-paper for gpt2 and for a folder without run.json; none otherwise).")
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(min=1), help="Top pairs per type.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def evaluate_command(run_dir, classes_name, top_k, as_json):
-    """PK and Composition Score against known head classes, from RUN_DIR/pairs.parquet.
+@click.option("--causal-threshold", default=CAUSAL_THRESHOLD, show_default=True, type=float,
+              help="A pair is causal when the lower end of its local effect's 95% interval exceeds this.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def evaluate_command(run_dir, classes_name, top_k, causal_threshold, as_json):
+    """PK and Composition Score against known head classes and against causal effects, from RUN_DIR.
 
-    Per metric and type (OQ, OK, OV, and all pooled): in-class / out-of-class heads of the top-k graph,
-    and ROC-AUC / PR-AUC at separating pairs with both heads in known classes from the rest.
+    Classes, per metric and type (OQ, OK, OV, and all pooled): in-class / out-of-class heads of the top-k
+    graph, and ROC-AUC / PR-AUC at separating pairs with both heads in known classes from the rest. Causal
+    effects (runs analysed with them), per metric and type: Spearman rho with the local effect and its
+    bootstrap interval, ROC-AUC / PR-AUC at finding the causal pairs, precision of the top-k pairs.
     """
     import json
-    from pathlib import Path
 
     from rich.console import Console
-    from rich.table import Table
 
-    from headgraph.analysis.artifacts import read_table, records
-    from headgraph.analysis.classes import load_classes
-    from headgraph.analysis.evaluation import PAIR_KEYS, evaluate_pairs
-    from headgraph.errors import UsageError
+    from headgraph.report.summary import evaluation_data, print_evaluation
 
-    path = Path(run_dir) / "pairs.parquet"
-    if not path.is_file():
-        raise UsageError(f"no pairs.parquet in '{run_dir}': run `headgraph analyze` to make a run folder first")
-    classes = load_classes(classes_name)
-    pairs = read_table(path, PAIR_KEYS)
-    rows = evaluate_pairs(pairs, classes, k=top_k)
-    model_heads = set(pairs["source"]) | set(pairs["target"])
-    present = len(classes.heads & model_heads)
+    data = evaluation_data(run_dir, classes_name, top_k, causal_threshold)
     if as_json:
-        click.echo(json.dumps({"run": str(run_dir), "top_k": top_k, "class_heads_in_run": present,
-                               "classes": {"name": classes.name, "source": classes.source, "model": classes.model},
-                               "rows": records(rows)}, indent=2))
-        return
-    console = Console()
-    table = Table(title=f"{classes.name} classes ({present} of {len(classes.heads)} class heads in this run), "
-                        f"top-{top_k} graph per type")
-    headers = {"positives": "both in class", "in_class": "in-class", "out_of_class": "out-of-class",
-               "roc_auc": "ROC-AUC", "pr_auc": "PR-AUC", "positive_rate": "base rate"}
-    for col in rows.columns:
-        table.add_column(headers.get(col, col), justify="left" if col in ("metric", "scope") else "right")
-    for r in rows.itertuples(index=False):
-        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r))
-    console.print(table)
-    console.print(f"classes: {classes.source}")
+        click.echo(json.dumps(data, indent=2))
+    else:
+        print_evaluation(data, Console())
 
 
 @cli.command("report")
@@ -378,6 +374,25 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
         click.echo(json.dumps(comparison_json(comparison), indent=2))
     else:
         print_comparison(comparison, limit or None)
+
+
+@cli.command("export")
+@click.argument("run_dir", metavar="RUN")
+@click.option("--format", "fmt", required=True, metavar="FORMAT",
+              help="graphml, gexf, cytoscape (Cytoscape.js JSON), csv (nodes.csv + edges.csv) or neo4j-import "
+                   "(CSVs for neo4j-admin database import full).")
+@click.option("--out", "out", required=True, metavar="PATH",
+              help="The file to write (graphml, gexf, cytoscape) or the folder (csv, neo4j-import).")
+@selection_options
+def export_command(run_dir, fmt, out, policy):
+    """Write the selected head graph of RUN (a run folder) for Gephi, Cytoscape, networkx, pandas or Neo4j."""
+    from headgraph.export import export_run
+    from headgraph.runs import load_run
+
+    exported = export_run(load_run(run_dir), policy, fmt, out)
+    click.echo(f"wrote {', '.join(str(p) for p in exported.paths)}")
+    if exported.command:
+        click.echo(f"import into a stopped, empty Neo4j database: {exported.command}")
 
 
 @cli.group("neo4j")

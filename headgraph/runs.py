@@ -2,9 +2,9 @@
 
 A run folder holds run.json (a `RunRecord`), pairs.parquet (one row per computed pair) and heads.parquet (one
 row per head). `RunRecord.to_json` / `RunRecord.from_json` are the only code that writes or reads run.json;
-NaN numbers are stored as null. Format versions: 1 is this one; a run.json without `format_version` was written
-before versions existed (headgraph 0.1) and has the same fields, so it is read as such; a newer version is
-refused with one line naming it.
+NaN numbers are stored as null. Format versions: 2 is this one (it added `causal`); 1 and a run.json without
+`format_version` (written before versions existed, headgraph 0.1) have the same fields less `causal`, so they
+are read as such; a newer version is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (0, 1, FORMAT_VERSION)
 RUN_FILE = "run.json"
 PAIRS_FILE = "pairs.parquet"
 HEADS_FILE = "heads.parquet"
@@ -54,7 +55,8 @@ class Dims:
 @dataclass(frozen=True)
 class RunRecord:
     """Everything run.json says about one analysis. `id`, `out_dir` and `selection` are set once the run has
-    a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed."""
+    a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed, `causal` the
+    causal stage's."""
 
     model: ModelInfo
     dims: Dims
@@ -87,6 +89,8 @@ class RunRecord:
     out_dir: str | None = None
     selection: str | None = None
     roles: dict[str, Any] | None = None
+    causal: dict[str, Any] | None = None
+    """The causal stage's inputs, settings and definitions, or why it was skipped (None: not run)."""
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -102,9 +106,10 @@ class RunRecord:
         if not isinstance(data, dict):
             raise UsageError(f"{origin} is not a JSON object; rerun `headgraph analyze`")
         version = data.get("format_version", 0)
-        if version not in (0, FORMAT_VERSION):
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, READABLE_VERSIONS))
             raise UsageError(f"{origin} has run format version {version!r}; this headgraph {__version__} reads "
-                             f"versions 0 and {FORMAT_VERSION}: upgrade headgraph or rerun `headgraph analyze`")
+                             f"versions {readable}: upgrade headgraph or rerun `headgraph analyze`")
         names = {_JSON_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(names))
         if unknown:

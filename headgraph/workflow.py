@@ -1,6 +1,6 @@
 """The whole `headgraph analyze` flow, one step after another:
-load -> subspaces / PK / references / significance / CS -> roles -> artifacts -> graph selection and
-centrality -> report -> store. Each step is a library call; this module only orders them and records where the
+load -> subspaces / PK / references / significance / CS -> roles -> local causal effects -> graph selection
+and centrality -> loss effects of the selected edges -> artifacts -> report -> store. Each step is a library call; this module only orders them and records where the
 results went. The store comes last so that a run marked complete there is never followed by a failure."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
 from headgraph.errors import UsageError
 from headgraph.files import writable_folder
-from headgraph.analysis.options import PKOptions, RoleOptions
+from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import StoreSpec
 from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, Run, write_run
@@ -32,6 +32,7 @@ class AnalyzeOptions:
     processing: str = "tl"  # tl: TransformerLens' folded/centred weights; raw: the checkpoint as stored
     pk: PKOptions = field(default_factory=PKOptions)
     roles: RoleOptions | None = field(default_factory=RoleOptions)  # None: no role tests
+    causal: CausalOptions | None = field(default_factory=CausalOptions)  # None: no causal effects
     policy: SelectionPolicy = field(default_factory=SelectionPolicy)
     classes: str | None = None
     store: StoreSpec | None = field(default_factory=StoreSpec)
@@ -86,6 +87,28 @@ def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress:
     result.run = dataclasses.replace(result.run, roles=meta)
 
 
+def _add_local_effects(result: AnalysisResult, stage, seed: int, console: Console, progress: Progress) -> bool:
+    """The local effects of the OQ/OK/OV pairs into the pairs table; False (recorded, and a warning for a model
+    whose attention cannot be recomputed) when there are none."""
+    from headgraph.analysis.causal import CausalUnsupported
+
+    try:
+        result.pairs, record = stage.local(result.pairs, result.run.types, seed, progress)
+    except CausalUnsupported as e:
+        console.print(f"[yellow]causal effects skipped:[/] {e}")
+        record = {"skipped": str(e)}
+    result.run = dataclasses.replace(result.run, causal=record)
+    return "skipped" not in record
+
+
+def _add_loss_effects(result: AnalysisResult, selected: SelectedGraph, stage, seed: int,
+                      progress: Progress) -> SelectedGraph:
+    result.pairs, edges, seconds = stage.loss(result.pairs, selected.edges, seed, progress)
+    causal = result.run.causal
+    result.run = dataclasses.replace(result.run, causal={**causal, "timings_s": {**causal["timings_s"], "loss": seconds}})
+    return dataclasses.replace(selected, edges=edges)
+
+
 def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | None = None,
                 progress: bool = True) -> AnalyzeOutcome:
     """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
@@ -99,6 +122,8 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
     resolve_model(model_name)  # an unknown model fails here, before the store is touched
     _check_folder(Path(options.out_dir or "runs"))
+    if options.policy.min_effect is not None and options.causal is None:
+        raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
 
     with console.status(f"loading {model_name}"):
@@ -107,6 +132,11 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
         from headgraph.analysis.roles import check_tokenizer
 
         check_tokenizer(model)  # before the PK work, not after it
+    causal = None
+    if options.causal:
+        from headgraph.analysis.causal import CausalStage
+
+        causal = CausalStage.prepare(model, options.causal, options.pk.seed)
     result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console, progress=progress)
     run_id = new_run_id(model.name)
     folder = Path(options.out_dir or Path("runs") / run_id)
@@ -115,9 +145,12 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     with _progress(console, progress) as bar:
         if options.roles:
             _add_roles(result, model, options, bar)
+        effects = causal is not None and _add_local_effects(result, causal, options.pk.seed, console, bar)
+        selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
+        if effects and options.causal.loss:
+            selected = _add_loss_effects(result, selected, causal, options.pk.seed, bar)
         _clear_earlier_run(folder)
         write_run(result, folder)
-        selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         paths = {}
         if options.report:
             from headgraph.report.report import FIGURE_COUNT

@@ -3,7 +3,8 @@ query and centrality tests: no model or PK computation needed.
 
 Every earlier->later head pair of each type gets PK ~ N(5, 0.1); the hub's OV in-edges (from every earlier
 head) and OQ/OK out-edges (to every later head) get +`boost`, so the top-20 graph of each type holds all of
-them and the hub has by far the highest degree.
+them and the hub has by far the highest degree. Local causal effects ~ U(0, 0.5) (their own stream, so the PK
+draws do not depend on them), intervals ±0.05.
 """
 
 import numpy as np
@@ -38,7 +39,7 @@ def run_graph(pairs, heads, run, policy=SelectionPolicy(), classes=None):
 
 def planted_pairs(n_layers=6, n_heads=4, types=("OQ", "OK", "OV"), seed=0, hub=HUB, boost=1.0):
     """(pairs, heads) DataFrames with the columns of pairs.parquet / heads.parquet."""
-    rng = np.random.default_rng(seed)
+    rng, effects = np.random.default_rng(seed), np.random.default_rng([seed, 1])
     layer, head = (a.ravel() for a in np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij"))
     names = np.array([f"L{l}H{h}" for l, h in zip(layer, head)])
     src, tgt = (a.ravel() for a in np.meshgrid(np.arange(len(names)), np.arange(len(names)), indexing="ij"))
@@ -67,6 +68,9 @@ def planted_pairs(n_layers=6, n_heads=4, types=("OQ", "OK", "OV"), seed=0, hub=H
                     "p_model": rng.uniform(0, 1, len(src)),
                     "q_model": rng.uniform(0, 1, len(src)),
                     "cs": np.where(rng.uniform(0, 1, len(src)) < 0.2, np.nan, rng.uniform(0, 0.1, len(src))),
+                    "effect": (effect := effects.uniform(0, 0.5, len(src))),
+                    "effect_lo": effect - 0.05,
+                    "effect_hi": effect + 0.05,
                 }
             )
         )

@@ -104,20 +104,23 @@ def test_run_folder_round_trips_exactly_with_nulls(random_model, tmp_path):
     pd.testing.assert_frame_equal(back.heads, result.heads)
     assert back.record == result.run  # every field, through run.json and back
     written = json.loads((folder / "run.json").read_text())
-    assert written["format_version"] == 1 and written == back.record.to_json()
+    assert written["format_version"] == 2 and written == back.record.to_json()
     cs = pq.read_table(folder / "pairs.parquet").column("cs")
     assert cs.null_count == 16  # QK has no Composition Score: stored as null, not NaN
     assert written["kl"]["matrix"][1][1] is None and math.isfinite(written["kl"]["matrix"][0][1])
 
 
-def test_a_run_folder_of_the_format_before_versions_loads_and_a_newer_one_is_one_line(random_model, tmp_path):
+def test_run_folders_of_earlier_formats_load_and_a_newer_one_is_one_line(random_model, tmp_path):
     result = analyze(random_model, types=("OQ",), **FAST)
     folder = write_run(result, tmp_path / "run")
     written = json.loads((folder / "run.json").read_text())
     (folder / "run.json").write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))
     assert load_run(folder).record == result.run  # headgraph 0.1 wrote the same fields without a version
+    (folder / "run.json").write_text(json.dumps({**{k: v for k, v in written.items() if k != "causal"},
+                                                 "format_version": 1}))
+    assert load_run(folder).record == result.run  # version 1: the same fields less `causal`
     (folder / "run.json").write_text(json.dumps({**written, "format_version": 7}))
-    with pytest.raises(UsageError, match=r"run format version 7; this headgraph .* reads versions 0 and 1") as e:
+    with pytest.raises(UsageError, match=r"run format version 7; this headgraph .* reads versions 0, 1, 2") as e:
         load_run(folder)
     assert "\n" not in str(e.value)
 
@@ -127,7 +130,7 @@ def test_a_run_folder_of_the_format_before_versions_loads_and_a_newer_one_is_one
 def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_path, capsys):
     code, out, _ = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--types", "oq,ok",
                             "--null-heads", "50", "--reference-samples", "5000", "--max-memory", "64MiB",
-                            "--no-roles", "--no-store", "--no-report"], capsys)
+                            "--no-roles", "--no-causal", "--no-store", "--no-report"], capsys)
     assert code == 0
     assert {p.name for p in (tmp_path / "r").iterdir()} == {"run.json", "pairs.parquet", "heads.parquet"}
     run = json.loads((tmp_path / "r" / "run.json").read_text())

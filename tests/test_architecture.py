@@ -24,8 +24,9 @@ ALLOWED = {
     "testing": {"errors", "heads", "loader"},
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
+    "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
     "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
-            "doctor", "neo4j_local", "__init__"},
+            "doctor", "neo4j_local", "export", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -158,7 +158,7 @@ def analyzed_run(local_neo4j, planted, tmp_path_factory):
     out = tmp_path_factory.mktemp("analyze") / "run"
     command = [
         sys.executable, "-m", "headgraph", "analyze", str(folder), "--neo4j", local_neo4j.uri,
-        "--top-k", str(TOP_K), "--n-inputs", "20", "--reference-samples", "2000", "--null-heads", "20", "--no-report",
+        "--top-k", str(TOP_K), "--n-inputs", "20", "--reference-samples", "2000", "--null-heads", "20", "--no-causal", "--no-report",
         "--out", str(out), "--json",
     ]  # fmt: skip
     env = {**os.environ, "NEO4J_USER": local_neo4j.user, "NEO4J_PASSWORD": local_neo4j.password}

@@ -278,6 +278,8 @@ def test_loss_effects_equal_hooked_runs_of_the_rest_of_the_model(planted_key_pat
                            "target_type": t} for s, r, t in pairs])
     table = C.loss_effects(model, inputs, edges, n_boot=50, seed=1, batch_size=4)
     assert (table.effect_loss.iloc[:3].abs() > 0.05).all()  # the planted receiver's paths move the loss
+    one_copy_per_pass = C.loss_effects(model, inputs, edges, n_boot=50, seed=1, batch_size=4, max_memory=1)
+    pd.testing.assert_frame_equal(one_copy_per_pass, table, rtol=1e-5)  # stacked copies change nothing
     delta = sender_changes(bridge, inputs, "resample", C.resample_inputs(inputs, seed=1))
     ids = inputs.input_ids
 

@@ -140,3 +140,45 @@ def test_evaluate_command_with_a_damaged_pairs_file(tmp_path, capsys, damage, me
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "internal error" not in err
+
+
+def _effect_pairs(n=120, seed=0):
+    """OQ/OK/OV pairs whose effect follows PK in OK, nothing in OQ; effect_lo a fixed margin below."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for kind in "QKV":
+        pk = rng.gamma(2.0, 1.0, n)
+        effect = 0.02 * pk + rng.normal(0, 0.01, n) if kind == "K" else rng.uniform(0, 0.1, n)
+        frames.append(pd.DataFrame({"source": [f"L0H{i}" for i in range(n)], "target": "L1H0", "source_type": "O",
+                                    "target_type": kind, "pk": pk, "cs": pk + rng.normal(0, 1, n),
+                                    "effect": effect, "effect_lo": effect - 0.01}))
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_causal_evaluation_matches_scipy_and_sklearn():
+    from scipy.stats import spearmanr
+
+    pairs = _effect_pairs()
+    table = E.causal_evaluation(pairs, threshold=0.05, k=10, n_boot=400).set_index(["metric", "scope"])
+    for metric in ("pk", "cs"):
+        for kind in "QKV":
+            part = pairs[pairs.target_type == kind]
+            row = table.loc[(metric, f"O{kind}")]
+            labels = (part.effect_lo > 0.05).to_numpy()
+            assert row.causal == labels.sum() and row.base_rate == pytest.approx(labels.mean())
+            assert row.spearman == pytest.approx(spearmanr(part[metric], part.effect).statistic)
+            assert row.spearman_lo <= row.spearman <= row.spearman_hi
+            assert row.roc_auc == pytest.approx(roc_auc_score(labels, part[metric]))
+            assert row.pr_auc == pytest.approx(average_precision_score(labels, part[metric]))
+            top = part.nlargest(10, metric)
+            assert row.precision_at_k == pytest.approx((top.effect_lo > 0.05).mean())
+            top_c = part.nlargest(int(labels.sum()), metric)
+            assert row.r_precision == pytest.approx((top_c.effect_lo > 0.05).mean())
+    ok, oq = table.loc[("pk", "OK")], table.loc[("pk", "OQ")]
+    assert ok.spearman_lo > 0.8 and ok.roc_auc > 0.9  # the planted dependence is found ...
+    assert oq.spearman_lo < 0 < oq.spearman_hi  # ... and none where there is none
+
+
+def test_causal_evaluation_needs_effects():
+    with pytest.raises(UsageError, match="no causal effects"):
+        E.causal_evaluation(_effect_pairs().drop(columns=["effect", "effect_lo"]))

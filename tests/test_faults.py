@@ -70,7 +70,7 @@ for cls in (LadybugStore, Neo4jStore):
 main(sys.argv[2:])
 """
 
-ANALYZE = ["--types", "all", "--top-k", "0", "--no-roles", "--no-report", "--null-heads", "2",
+ANALYZE = ["--types", "all", "--top-k", "0", "--no-roles", "--no-causal", "--no-report", "--null-heads", "2",
            "--reference-samples", "100", "--processing", "raw"]
 COUNTS = ("MATCH (r:Run) WHERE r.id STARTS WITH $prefix OPTIONAL MATCH (h:Head) WHERE h.run_id = r.id "
           "OPTIONAL MATCH (h)-[e]->(:Head) RETURN r.id AS id, count(DISTINCT h) AS heads, count(e) AS edges")
@@ -198,7 +198,7 @@ def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
     with LadybugStore(path) as store:
         store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}))
     env = {**os.environ, "NEO4J_URI": ""}
-    process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles",
+    process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles", "--no-causal",
                               "--null-heads", "2", "--reference-samples", "100", "--out", str(tmp_path / "run"),
                               "--db", str(path)], capture_output=True, text=True, env=env, timeout=300)
     assert process.returncode == 130 and process.stderr.strip().splitlines()[-1] == "aborted", process.stderr

@@ -77,6 +77,7 @@ PARAMS = {
     "compare-runs": {"other": RUN_B},
     "identity-hubs": {},
     "centrality": {"limit": "30"},
+    "causal-edges": {"limit": "10"},
 }
 
 
@@ -121,6 +122,15 @@ def test_hubs_puts_the_planted_hub_first_with_a_per_type_breakdown(store, edges)
     assert len({r["head"] for r in rows}) == 3
     degrees = [r["degree"] for r in rows]
     assert degrees == sorted(degrees, reverse=True)
+
+
+def test_causal_edges_are_the_selected_edges_by_effect(store, edges):
+    rows = pd.DataFrame(run_named(store, "causal-edges", {"run": RUN_A, "limit": "7", "types": "ok,ov"}).records())
+    expected = edges[edges.kind.isin(["OK", "OV"])].sort_values(["effect", "kind", "source", "target"],
+                                                                ascending=[False, True, True, True]).head(7)
+    assert list(zip(rows.kind, rows.source, rows.target)) == list(zip(expected.kind, expected.source, expected.target))
+    assert rows.effect.tolist() == pytest.approx(expected.effect.tolist())
+    assert rows.pk_rank.tolist() == expected["rank"].tolist() and rows.effect_loss.isna().all()
 
 
 def test_top_edges_are_the_strongest_per_type(store, edges):

@@ -210,6 +210,35 @@ def test_role_results_become_head_properties(store, tables):
     assert all("not a role" not in r for r in store.read("MATCH (h:Head) RETURN keys(h) AS k LIMIT 1").rows[0][0])
 
 
+def test_an_embedded_store_made_before_causal_effects_gains_their_columns(tmp_path, tables):
+    """A store whose edge tables were created without the effect columns (headgraph before causal effects) takes
+    a run with effects: its tables are altered, its earlier run keeps null effects."""
+    import ladybug
+
+    from headgraph.heads import TYPE_PAIRS
+    from headgraph.loader import ladybug_store, store as store_module
+
+    path = tmp_path / "old.lbdb"
+    old = {n: t for n, t in store_module.EDGE_PROPERTIES.items() if not n.startswith("effect")}
+    connection = ladybug.Connection(ladybug.Database(str(path)))
+    edge_tables = {f"CREATE REL TABLE IF NOT EXISTS {kind}(": kind for kind in TYPE_PAIRS}
+    for statement in ladybug_store.schema_ddl():
+        kind = next((k for prefix, k in edge_tables.items() if statement.startswith(prefix)), None)
+        if kind is not None:
+            statement = f"CREATE REL TABLE {kind}(FROM Head TO Head, {ladybug_store._columns(old)})"
+        connection.execute(statement)
+    connection.close()
+    pairs, heads = tables
+    earlier, later = new_run_id(), new_run_id()
+    with LadybugStore(path) as opened:
+        load(opened, run_graph(pairs.drop(columns=["effect", "effect_lo", "effect_hi"]), heads, {"id": earlier}))
+        load(opened, run_graph(pairs, heads, {"id": later}))
+        query = "MATCH (a:Head)-[r:OK]->(b:Head) WHERE a.run_id = $run RETURN r.effect ORDER BY r.rank LIMIT 1"
+        assert opened.read(query, {"run": earlier}).rows == [[None]]
+        strongest = pairs[pairs.target_type == "K"].nlargest(1, "pk")
+        assert opened.read(query, {"run": later}).rows == [[pytest.approx(strongest.effect.iloc[0])]]
+
+
 def test_the_read_path_refuses_writes(store, tables):
     run_id = new_run_id()
     load(store, graph_of(tables, run_id))

@@ -22,7 +22,7 @@ from headgraph.analysis.selection import SelectionPolicy
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
 
-FAST = ["--null-heads", "20", "--reference-samples", "1000"]
+FAST = ["--null-heads", "20", "--reference-samples", "1000", "--no-causal"]
 QUICK = [*FAST, "--no-roles", "--no-store", "--no-report"]
 BIG_INT = "99999999999999999999"  # beyond int64
 

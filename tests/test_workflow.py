@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 
-FAST = ["--top-k", "5", "--n-inputs", "20", "--reference-samples", "2000"]
+FAST = ["--top-k", "5", "--n-inputs", "20", "--causal-n", "8", "--reference-samples", "2000"]
 
 
 def headgraph(*args, env=None):
@@ -123,7 +123,7 @@ def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkey
     import headgraph.analysis.selection
     import headgraph.loader.graph
     import headgraph.report.report  # noqa: F401 - loaded so that its bindings are counted too
-    from headgraph.analysis.options import PKOptions, RoleOptions
+    from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
     from headgraph.analysis.selection import SelectionPolicy
     from headgraph.loader.open_store import StoreSpec
     from headgraph.workflow import AnalyzeOptions, run_analyze
@@ -140,8 +140,10 @@ def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkey
             if getattr(loaded, name, None) is original:
                 monkeypatch.setattr(loaded, name, counted)
     options = AnalyzeOptions(out_dir=str(tmp_path / "run"), pk=PKOptions(reference_samples=2000, null_heads=20),
-                             roles=RoleOptions(n_inputs=8), policy=SelectionPolicy(top_k=5),
-                             store=StoreSpec(db=str(tmp_path / "g.lbdb")))
+                             roles=RoleOptions(n_inputs=8), causal=CausalOptions(n_inputs=4, n_boot=50),
+                             policy=SelectionPolicy(top_k=5), store=StoreSpec(db=str(tmp_path / "g.lbdb")))
     outcome = run_analyze(str(planted[0]), options, progress=False)
-    assert calls == {"select_edges": 1, "head_centrality": 1}
+    assert calls == {"select_edges": 1, "head_centrality": 1}  # the loss effects extend that one selection
+    edges = outcome.selected.edges
+    assert edges.loc[edges["kind"].isin(["OQ", "OK", "OV"]), "effect_loss"].notna().all()
     assert outcome.report and len(outcome.selected.edges) == 15

@@ -34,7 +34,7 @@ Computation: each receiver layer's attention is recomputed from its input with t
 LayerNorm modules (checked against the model's own `hook_z` on every batch; models it cannot reproduce, e.g.
 rotary or grouped-query attention, raise UsageError). All senders of one layer × all receivers of one later
 layer are one batched tensor operation, no Python loop over head pairs: cost ≈ pairs × tokens × d_model ×
-d_head per type, plus the patched attention rows. `loss_effects` runs one forward pass per edge and batch.
+d_head per type, plus the patched attention rows. `loss_effects` stacks the edges' patched copies of a batch into shared forward passes.
 
 >>> import tempfile
 >>> from headgraph.analysis.prompts import repeated_token_inputs
@@ -56,24 +56,26 @@ True
 
 import math
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from headgraph.analysis.prompts import TokenInputs, ioi_inputs, repeated_token_inputs, sentence_pair_inputs
+from headgraph.analysis.options import ABLATIONS, DEFAULT_N_BOOT, CausalOptions
+from headgraph.analysis.prompts import (TokenInputs, ioi_inputs, repeated_token_inputs, sentence_pair_inputs,
+                                       text_inputs)
 from headgraph.analysis.roles import REPEAT_LENGTH
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES, check_type_pair, head_name
 
-ABLATIONS = ("resample", "mean")
 CONFIDENCE = 0.95
-DEFAULT_N_BOOT = 1000
-DEFAULT_BATCH_SIZE = 16
-DEFAULT_MAX_MEMORY = 1024**3
+DEFAULT_BATCH_SIZE = CausalOptions.batch_size
+DEFAULT_MAX_MEMORY = CausalOptions.max_memory
 KEY_COLUMNS = ["source", "target", "source_type", "target_type"]
 LOCAL_COLUMNS = KEY_COLUMNS + ["effect", "effect_lo", "effect_hi"]
 LOSS_COLUMNS = KEY_COLUMNS + ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
@@ -96,14 +98,34 @@ _BOOTSTRAP_CHUNK = 4096  # pairs per bootstrap matrix product
 
 # ---------- inputs ------------------------------------------------------------------------------------------
 
-def causal_inputs(model, n: int, seed: int = 0) -> tuple[TokenInputs, ...]:
+def causal_inputs(model, n: int, seed: int = 0, texts: Sequence[str] | None = None) -> tuple[TokenInputs, ...]:
     """The role tests' generated input sets of a LoadedModel's kind, n inputs each: IOI prompts and repeated
-    random tokens (decoder), sentence pairs (encoder)."""
+    random tokens (decoder), sentence pairs (encoder); or, given `texts`, those texts as one set."""
     bridge = model.bridge
+    if texts is not None:
+        return (text_inputs(model.tokenizer, list(texts), bridge.cfg.attention_dir == "causal"),)
     if bridge.cfg.attention_dir == "causal":
         return (ioi_inputs(model.tokenizer, n, seed),
                 repeated_token_inputs(model.tokenizer, n, seed, REPEAT_LENGTH, bridge.cfg.d_vocab))
     return (sentence_pair_inputs(model.tokenizer, n, seed),)
+
+
+def read_texts(path) -> list[str]:
+    """The non-empty lines of a text file (`--causal-inputs FILE`); an unreadable file raises UsageError."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the causal inputs file '{path}' ({e.__class__.__name__}: {e}); "
+                         "give a UTF-8 text file, one input a line") from None
+    return [line.strip() for line in lines if line.strip()]
+
+
+def with_effects(pairs: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
+    """`pairs` with the effect columns of `effects` (rows of `local_effects` or `loss_effects`) joined on the
+    pair key, NaN for the pairs they do not cover; earlier columns of the same names are replaced."""
+    columns = [c for c in effects.columns if c not in KEY_COLUMNS]
+    return pairs.drop(columns=[c for c in columns if c in pairs.columns]).merge(
+        effects, on=KEY_COLUMNS, how="left", validate="many_to_one")
 
 
 def _rows(inputs: TokenInputs, rows: torch.Tensor) -> TokenInputs:
@@ -159,8 +181,12 @@ def _counterfactuals(sets, ablation: str, corrupted, seed: int) -> tuple[TokenIn
 
 # ---------- the model ---------------------------------------------------------------------------------------
 
-def _unsupported(bridge, why: str) -> UsageError:
-    return UsageError(f"causal effects cannot be computed for {bridge.cfg.architecture}: {why}; "
+class CausalUnsupported(UsageError):
+    """The model's attention cannot be recomputed here (rotary, grouped-query, ...): no causal effects for it."""
+
+
+def _unsupported(bridge, why: str) -> CausalUnsupported:
+    return CausalUnsupported(f"causal effects cannot be computed for {bridge.cfg.architecture}: {why}; "
                       "analyze it without causal effects")
 
 
@@ -545,36 +571,57 @@ def _head_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: st
     return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
 
 
-def _patched_output(net: _Net, batch: _Batch, layer: int, head: int, dz: torch.Tensor) -> torch.Tensor:
-    """Logits (decoder) or final hidden states (encoder) with one head's z changed by dz, the rest run on it."""
+def _patched_outputs(net: _Net, batch: _Batch, changes: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """Logits (decoder) or final hidden states (encoder) [G, b, T, .] of G patched copies of the batch, one
+    forward pass: copy g has head changes[g][1] of layer changes[g][0] with its z changed by changes[g][2]
+    [b, T, e], the rest of the model run on it."""
     from transformer_lens.model_bridge.exceptions import StopAtLayerException
 
+    b, T = batch.real.shape
+    additions = {}
+    for g, (layer, head, dz) in enumerate(changes):
+        if layer not in additions:
+            additions[layer] = torch.zeros(len(changes) * b, T, net.n_heads, dz.shape[-1], device=dz.device)
+        additions[layer][g * b:(g + 1) * b, :, head] = dz
+
     def patch(z, hook):
-        z = z.clone()
-        z[:, :, head] = z[:, :, head] + dz.to(z.dtype)
-        return z
+        return z + additions[int(hook.name.split(".")[1])].to(z.dtype)
 
     def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
         raise StopAtLayerException(hidden)
 
-    hooks = [(f"blocks.{layer}.attn.hook_z", patch)]
+    hooks = [(f"blocks.{layer}.attn.hook_z", patch) for layer in additions]
     if not net.causal:
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
-    inputs = batch.inputs
-    return net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                     return_type="logits" if net.causal else None, **_model_kwargs(net.bridge, inputs))
+    copies = len(changes)
+    inputs = replace(batch.inputs, input_ids=batch.inputs.input_ids.repeat(copies, 1),
+                     attention_mask=batch.inputs.attention_mask.repeat(copies, 1),
+                     token_type_ids=None if batch.inputs.token_type_ids is None
+                     else batch.inputs.token_type_ids.repeat(copies, 1))
+    out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                    return_type="logits" if net.causal else None, **_model_kwargs(net.bridge, inputs))
+    return out.reshape(copies, b, *out.shape[1:])
 
 
-def _token_losses(logits: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
+def _copies_per_pass(net: _Net, batch: _Batch, max_memory: int) -> int:
+    """Patched copies of a batch per forward pass so that its widest activations (the logits and their
+    log-softmax, or the MLP's 4 d_model, float32) stay within max_memory bytes."""
+    b, T, d = batch.resid[0].shape
+    width = net.bridge.cfg.d_vocab * 2 if net.causal else 4 * d
+    return max(1, max_memory // (4 * b * T * (width + 8 * d)))
+
+
+def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy [b, T-1] of every position."""
-    targets = inputs.input_ids[:, 1:].to(logits.device)
+    targets = input_ids[:, 1:].to(logits.device)
     return -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets[..., None])[..., 0]
 
 
 @torch.no_grad()
 def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.DataFrame, ablation: str = "resample",
                  corrupted: TokenInputs | Sequence[TokenInputs] | None = None, n_boot: int = DEFAULT_N_BOOT,
-                 seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE, progress=None) -> pd.DataFrame:
+                 seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE, max_memory: int = DEFAULT_MAX_MEMORY,
+                 progress=None) -> pd.DataFrame:
     """Downstream effect of patching only the path s -> r.T of each edge, everything after r run on it.
 
     `edges`: rows with source, target, source_type ("O"), target_type ("Q"/"K"/"V"), e.g. selected rows of
@@ -582,7 +629,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     arguments give the same counterfactuals). Returns those four columns, in the edges' order, with
     effect_loss, effect_loss_lo, effect_loss_hi: decoder, patched minus clean next-token cross-entropy in nats
     per predicted token (positive = the path helps the model); encoder, ||h' - h||_F / ||h||_F of the final
-    hidden states. One forward pass per edge and batch.
+    hidden states. The edges' patched copies of a batch share forward passes (`max_memory` bytes each).
     """
     _check_counts(n_boot, batch_size)
     sets = _input_sets(inputs, "inputs")
@@ -595,25 +642,81 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     for batch in _batches(net, sets, alternatives, batch_size, True, advance):
         if net.causal:
             predicted = batch.real[:, 1:].float()
-            clean = _token_losses(batch.output, batch.inputs)
-        receivers = {}
-        for e, (sender_layer, sender, layer, head, kind) in enumerate(parsed):
+            clean = _token_losses(batch.output, batch.inputs.input_ids)
+        receivers, changes = {}, []
+        for sender_layer, sender, layer, head, kind in parsed:
             if layer not in receivers:
                 receivers[layer] = _receiver_layer(net, batch, layer)
             delta = _sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
             for between in range(sender_layer, layer):
                 delta = _carry(net, batch, between, delta)
             dx = _input_change(net, batch, receivers[layer], layer, delta)
-            out = _patched_output(net, batch, layer, head, _head_change(net, receivers[layer], layer, dx, kind, head))
+            changes.append((layer, head, _head_change(net, receivers[layer], layer, dx, kind, head)))
+        step = _copies_per_pass(net, batch, max_memory)
+        for first in range(0, len(changes), step):
+            out = _patched_outputs(net, batch, changes[first:first + step])
             if net.causal:
-                change = ((_token_losses(out, batch.inputs) - clean) * predicted).sum(-1)
-                count = predicted.sum(-1)
+                losses = _token_losses(out.flatten(0, 1), batch.inputs.input_ids.repeat(len(out), 1))
+                change = ((losses.reshape(len(out), *clean.shape) - clean) * predicted).sum(-1)
+                count = predicted.sum(-1).expand_as(change)
             else:
                 real = batch.real[:, :, None]
-                change = ((out - batch.output).pow(2) * real).sum((1, 2))
-                count = (batch.output.pow(2) * real).sum((1, 2))
-            num[e, batch.rows], den[e, batch.rows] = change.double().cpu().numpy(), count.double().cpu().numpy()
+                change = ((out - batch.output).pow(2) * real).sum((2, 3))
+                count = (batch.output.pow(2) * real).sum((1, 2)).expand_as(change)
+            edges_here = slice(first, first + len(out))
+            num[edges_here, batch.rows] = change.double().cpu().numpy()
+            den[edges_here, batch.rows] = count.double().cpu().numpy()
     effect, lo, hi = _bootstrap(num, den, n_boot, seed, root=not net.causal)
     table = edges[KEY_COLUMNS].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
     return table[LOSS_COLUMNS]
+
+
+# ---------- the analyze stage -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CausalStage:
+    """The causal stage of `headgraph analyze` on one LoadedModel: its inputs are built first (a bad inputs
+    file fails before any PK work), then `local` adds the local effects of every OQ/OK/OV pair to the pairs
+    table and `loss` the downstream effects of the selected edges."""
+
+    model: Any
+    options: CausalOptions
+    inputs: tuple[TokenInputs, ...]
+    source: str
+
+    @classmethod
+    def prepare(cls, model, options: CausalOptions, seed: int) -> "CausalStage":
+        texts = read_texts(options.inputs_file) if options.inputs_file else None
+        source = "generated" if texts is None else f"the texts of {options.inputs_file}"
+        return cls(model, options, causal_inputs(model, options.n_inputs, seed, texts), source)
+
+    def local(self, pairs: pd.DataFrame, types: Sequence[str], seed: int, progress=None
+              ) -> tuple[pd.DataFrame, dict[str, Any]]:
+        """(pairs with effect / effect_lo / effect_hi, the run record's `causal` entry); raises CausalUnsupported
+        for a model whose attention cannot be recomputed."""
+        kinds = [t for t in types if t in COMPOSITION_TYPES]
+        if not kinds:
+            return pairs, {"skipped": f"no {'/'.join(COMPOSITION_TYPES)} type was computed"}
+        start = time.perf_counter()
+        o = self.options
+        local = local_effects(self.model, self.inputs, kinds, o.ablation, n_boot=o.n_boot, seed=seed,
+                              batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
+        record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
+                  "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "definitions": DEFINITIONS,
+                  "timings_s": {"local": round(time.perf_counter() - start, 4)}}
+        return with_effects(pairs, local), record
+
+    def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
+             ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
+        """(pairs and edges with effect_loss / _lo / _hi, seconds taken) for the edges that have a local
+        effect, at most `loss_edges` per type, largest local effect first."""
+        start = time.perf_counter()
+        o = self.options
+        chosen = edges[edges["effect"].notna()].sort_values("effect", ascending=False, kind="stable")
+        if o.loss_edges is not None:
+            chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
+        loss = loss_effects(self.model, self.inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
+                            batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
+        return with_effects(pairs, loss), with_effects(edges, loss), round(time.perf_counter() - start, 4)

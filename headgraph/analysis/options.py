@@ -14,6 +14,8 @@ DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 CORRECTIONS = ("none", "bh", "bonferroni")
+ABLATIONS = ("resample", "mean")
+DEFAULT_N_BOOT = 1000  # bootstrap samples of the causal effects' intervals
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,30 @@ class RoleOptions:
             raise UsageError(f"unknown correction {self.correction!r}: use one of {', '.join(CORRECTIONS)}")
         if not np.isfinite(self.tau):
             raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {self.tau}")
+
+
+@dataclass(frozen=True)
+class CausalOptions:
+    """The causal stage's settings (headgraph.analysis.causal), defaults declared once: direct-path effects of
+    every OQ/OK/OV pair on `n_inputs` generated inputs per set (or the texts of `inputs_file`, one a line), and
+    the downstream (loss) effect of the selected edges when `loss` (of at most `loss_edges` per type: one forward
+pass through the rest of the model per edge and input, where a local effect costs a fraction of one)."""
+
+    n_inputs: int = 32  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
+    inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
+    ablation: str = "resample"  # resample: another input's sender output; mean: its mean over the inputs
+    n_boot: int = DEFAULT_N_BOOT
+    batch_size: int = 16
+    max_memory: int = 1024**3  # working bytes of one batched patching step
+    loss: bool = True
+    loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
+
+    def __post_init__(self):
+        if self.n_inputs < 2:
+            raise UsageError(f"causal effects need at least 2 inputs per input set, got {self.n_inputs}")
+        if self.ablation not in ABLATIONS:
+            raise UsageError(f"unknown ablation {self.ablation!r}: use one of {', '.join(ABLATIONS)}")
+        if self.loss_edges is not None and self.loss_edges < 1:
+            raise UsageError(f"loss_edges must be at least 1, or None for every selected edge (got {self.loss_edges})")
+        if self.n_boot < 1 or self.batch_size < 1:
+            raise UsageError(f"n_boot and batch_size must be at least 1, got {self.n_boot} and {self.batch_size}")

@@ -224,3 +224,16 @@ def sentence_pair_inputs(tokenizer, n: int, seed: int = 0, sentences_per_segment
                 gov = torch.tensor([g for _, g, r in sentence.arcs if r == rel], dtype=torch.long)
                 arcs[rel][row] |= (pieces[dep][:, :, None] & pieces[gov][:, None, :]).any(0)
     return TokenInputs("sentence_pairs", ids, mask, enc.get("token_type_ids"), kind, arcs)
+
+
+def text_inputs(tokenizer, texts: list[str], decoder: bool, name: str = "texts") -> TokenInputs:
+    """The user's texts as one input set: a decoder's BOS + tokens (no other special tokens), an encoder's own
+    encoding ([CLS] text [SEP], token types); right-padded."""
+    if len(texts) < 2:
+        raise UsageError(f"{name}: causal effects need at least 2 texts (one a line), got {len(texts)}")
+    if decoder:
+        bos = _bos_id(tokenizer)
+        ids, mask = _pad([[bos] + tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], bos)
+        return TokenInputs(name, ids, mask)
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    return TokenInputs(name, enc["input_ids"], enc["attention_mask"].bool(), enc.get("token_type_ids"))

@@ -1,7 +1,8 @@
 """Edge selection: which computed pairs become the edges of the head graph (the thresholded graph).
 
-Pairs must pass `q_model <= max_q` and `z_iso >= min_z` when those are given, then at most `top_k` edges per
-weight-pair type are kept, strongest PK first (default 20, the paper's figure). Every edge keeps `rank`: its
+Pairs must pass `q_model <= max_q`, `z_iso >= min_z` and `effect >= min_effect` (the local causal effect, which
+only OQ/OK/OV pairs have) when those are given, then at most `top_k` edges per weight-pair type are kept,
+strongest PK first (default 20, the paper's figure). Every edge keeps `rank`: its
 PK rank among all computed pairs of its type (1 = strongest). The policy is recorded with the run.
 """
 
@@ -26,6 +27,7 @@ class SelectionPolicy:
     top_k: int | None = DEFAULT_TOP_K
     max_q: float | None = None
     min_z: float | None = None
+    min_effect: float | None = None
 
     def __post_init__(self):
         if self.top_k is not None and self.top_k < 1:
@@ -36,6 +38,7 @@ class SelectionPolicy:
     def describe(self) -> str:
         rules = [f"q_model <= {self.max_q:g}"] if self.max_q is not None else []
         rules += [f"z_iso >= {self.min_z:g}"] if self.min_z is not None else []
+        rules += [f"effect >= {self.min_effect:g}"] if self.min_effect is not None else []
         rules += [f"top {self.top_k} per type by PK"] if self.top_k is not None else ["all passing pairs"]
         return ", then ".join(rules)
 
@@ -79,6 +82,11 @@ def select_edges(pairs: pd.DataFrame, policy: SelectionPolicy) -> pd.DataFrame:
         keep &= ranked["q_model"] <= policy.max_q
     if policy.min_z is not None:
         keep &= ranked["z_iso"] >= policy.min_z
+    if policy.min_effect is not None:
+        if "effect" not in ranked.columns:
+            raise UsageError("--min-effect needs causal effects, and this run has none: rerun `headgraph analyze` "
+                             "without --no-causal")
+        keep &= ranked["effect"] >= policy.min_effect
     passing = ranked[keep]
     if policy.top_k is not None:
         passing = passing[passing.groupby("kind").cumcount() < policy.top_k]
@@ -97,7 +105,10 @@ def with_pair_endpoints(heads: pd.DataFrame | None, pairs: pd.DataFrame) -> pd.D
     ).drop_duplicates("head")
     if heads is None or not len(heads):
         return ends.reset_index(drop=True)
-    return pd.concat([heads, ends[~ends["head"].isin(heads["head"])]], ignore_index=True)
+    missing = ends[~ends["head"].isin(heads["head"])]
+    if missing.empty:  # concatenating nothing would still turn the integer columns (rank_q, ...) into floats
+        return heads.reset_index(drop=True)
+    return pd.concat([heads, missing], ignore_index=True)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from headgraph.analysis.selection import SelectedGraph
+from headgraph.analysis.selection import SelectedGraph, SelectionPolicy
 from headgraph.errors import UsageError
 from headgraph.loader.store import (
     EDGE_PROPERTIES,
@@ -35,7 +35,7 @@ def head_rows(
     """Head node rows: schema columns plus role result columns (`<role>_score/_p/_sig`); others are not stored."""
     frame = heads.rename(columns={"head": "name", "index": "head"})
     frame = frame[[c for c in frame.columns if c in HEAD_PROPERTIES or _ROLE_COLUMN.match(c)]].copy()
-    frame["key"] = run_id + "/" + frame["name"].astype(str)
+    frame["key"] = head_key(run_id, frame["name"].astype(str))
     frame["run_id"] = run_id
     frame["model"] = model_name
     if "classes" not in frame.columns:
@@ -47,9 +47,41 @@ def head_rows(
 def edge_rows(edges: pd.DataFrame, run_id: str) -> pd.DataFrame:
     """Edge rows: endpoint keys plus every edge property (absent statistics stay null)."""
     rows = edges.reindex(columns=[*EDGE_PROPERTIES]).assign(run_id=run_id)
-    rows.insert(0, "target_key", run_id + "/" + edges["target"].astype(str))
-    rows.insert(0, "source_key", run_id + "/" + edges["source"].astype(str))
+    rows.insert(0, "target_key", head_key(run_id, edges["target"].astype(str)))
+    rows.insert(0, "source_key", head_key(run_id, edges["source"].astype(str)))
     return rows
+
+
+def head_key(run_id: str, name):
+    """The store-wide unique key of a Head node, `<run id>/L4H7` (`name`: one name or a Series of names)."""
+    return run_id + "/" + name
+
+
+def run_properties(run: RunRecord, policy: SelectionPolicy) -> dict:
+    """The Run node's properties for a run record (whose `id` must be set) and the policy that selected its edges;
+    the store adds status, counts and writer."""
+    if run.id is None:
+        raise UsageError("the run record has no id yet: a run is stored once headgraph.workflow has given it one")
+    return {
+        "id": check_run_id(run.id),
+        "model": run.model.name,
+        "source": run.model.source,
+        "processing": run.processing,
+        "types": list(run.types),
+        "top_k": policy.top_k,
+        "max_q": policy.max_q,
+        "min_z": policy.min_z,
+        "min_effect": policy.min_effect,
+        "policy": policy.describe(),
+        "created": run.created,
+        "params": json.dumps(run.to_json(), sort_keys=True),
+    }
+
+
+def model_properties(run: RunRecord) -> dict:
+    """The Model node's properties: the model's name, architecture and sizes."""
+    info = {"name": run.model.name, "architecture": run.model.architecture, **dataclasses.asdict(run.dims)}
+    return {name: info.get(name) for name in MODEL_PROPERTIES}
 
 
 def build_run_graph(
@@ -59,26 +91,10 @@ def build_run_graph(
 ) -> RunGraph:
     """Shape Run/Model/Head/edge rows for a store from what the analysis computed: the selected graph (edges,
     nodes, centralities) and the run record (whose `id` must be set)."""
-    if run.id is None:
-        raise UsageError("the run record has no id yet: a run is stored once headgraph.workflow has given it one")
-    run_id = check_run_id(run.id)
-    info = {"name": run.model.name, "architecture": run.model.architecture, **dataclasses.asdict(run.dims)}
-    model = {name: info.get(name) for name in MODEL_PROPERTIES}
-    edges, centrality, policy = selected.edges, selected.centrality, selected.policy
+    record = run_properties(run, selected.policy)
+    run_id = record["id"]
     rows = head_rows(selected.nodes, run_id, run.model.name, classes)
-    rows = rows.drop(columns=[c for c in centrality.columns if c != "name" and c in rows.columns])
-    rows = rows.merge(centrality, on="name", how="left")
-    record = {
-        "id": run_id,
-        "model": run.model.name,
-        "source": run.model.source,
-        "processing": run.processing,
-        "types": list(run.types),
-        "top_k": policy.top_k,
-        "max_q": policy.max_q,
-        "min_z": policy.min_z,
-        "policy": policy.describe(),
-        "created": run.created,
-        "params": json.dumps(run.to_json(), sort_keys=True),
-    }
-    return RunGraph(record, model, rows, edge_rows(edges, run_id), extra_head_properties(rows.columns))
+    rows = rows.drop(columns=[c for c in selected.centrality.columns if c != "name" and c in rows.columns])
+    rows = rows.merge(selected.centrality, on="name", how="left")
+    return RunGraph(record, model_properties(run), rows, edge_rows(selected.edges, run_id),
+                    extra_head_properties(rows.columns))

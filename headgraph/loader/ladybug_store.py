@@ -170,10 +170,12 @@ class LadybugStore(GraphStore):
         if not self._columns:
             for statement in schema_ddl():
                 self._conn.execute(statement)
-            for table in ("Run", "Head"):  # stores made by an earlier version lack newer columns
+            for table in ("Run", "Head", *TYPE_PAIRS):  # stores made by an earlier version lack newer columns
                 info = self._conn.execute(f"CALL table_info('{table}') RETURN name").get_all()
                 self._columns[table] = {row[0] for row in info}
             self._add_columns("Run", RUN_PROPERTIES)
+            for kind in TYPE_PAIRS:
+                self._add_columns(kind, EDGE_PROPERTIES)
         self._add_columns("Head", {**HEAD_PROPERTIES, **(extra_head_properties or {})})
 
     def _add_columns(self, table: str, properties: Mapping[str, str]) -> None:

@@ -57,6 +57,7 @@ RUN_PROPERTIES = {
     "top_k": "INT64",
     "max_q": "DOUBLE",
     "min_z": "DOUBLE",
+    "min_effect": "DOUBLE",
     "policy": "STRING",
     "created": "STRING",
     "status": "STRING",
@@ -111,6 +112,12 @@ EDGE_PROPERTIES = {
     "q_model": "DOUBLE",
     "cs": "DOUBLE",
     "rank": "INT64",
+    "effect": "DOUBLE",
+    "effect_lo": "DOUBLE",
+    "effect_hi": "DOUBLE",
+    "effect_loss": "DOUBLE",
+    "effect_loss_lo": "DOUBLE",
+    "effect_loss_hi": "DOUBLE",
 }
 """Edges carry their endpoints' names and layers so queries never need startNode() (LadybugDB lacks it)."""
 

@@ -215,6 +215,39 @@ def pk_vs_cs(pairs, model, fraction=0.03):
     return fig
 
 
+def effect_scatter(pairs, model, threshold, causal):
+    """PK (top row) and Composition Score (bottom row) against the local causal effect per composition type,
+    the causal pairs (`causal`: bool per row of pairs) marked; None if the run has no effects."""
+    if "effect" not in pairs.columns or pairs["effect"].isna().all():
+        return None
+    causal = pd.Series(np.asarray(causal, dtype=bool), index=pairs.index)
+    with_effect = pairs[pairs["effect"].notna()]
+    kinds = with_effect["source_type"] + with_effect["target_type"]
+    types = [tp for tp in COMPOSITION_TYPES if tp in set(kinds)]
+    fig, axes = plt.subplots(2, len(types), figsize=(4.6 * len(types), 7.6), squeeze=False)
+    units = {"Q": "attention moved (TV)", "K": "attention moved (TV)", "V": "relative output change"}
+    for col, tp in enumerate(types):
+        sub = with_effect[kinds == tp]
+        marked = causal[with_effect.index[kinds == tp]]
+        for row, (metric, label) in enumerate((("pk", "PK (raw)"), ("cs", "Composition Score"))):
+            ax = axes[row, col]
+            part = sub[sub[metric].notna()]
+            hit = marked[part.index]
+            ax.scatter(part.loc[~hit, metric], part.loc[~hit, "effect"], s=7, alpha=0.45, color="#999999",
+                       rasterized=True, label=f"pairs ({int((~hit).sum()):,})")
+            ax.scatter(part.loc[hit, metric], part.loc[hit, "effect"], s=12, alpha=0.8, color=TYPE_COLORS[tp],
+                       rasterized=True, label=f"causal ({int(hit.sum()):,}): effect CI above {threshold:g}")
+            ax.axhline(threshold, color="black", ls=":", lw=1)
+            rho = stats.spearmanr(part[metric], part["effect"]).statistic if len(part) > 2 else float("nan")
+            ax.set_title(f"{tp[0]}→{tp[1]}: Spearman ρ = {rho:.2f}", fontsize=10)
+            ax.set_xlabel(label)
+            ax.set_ylabel(f"local effect: {units[tp[1]]}")
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{model}: weights (PK, CS) against causal effect (direct-path patching), earlier → later pairs")
+    fig.tight_layout()
+    return fig
+
+
 def head_classes(classes):
     """{head: first class name} from {class name: [heads]}."""
     owner = {}

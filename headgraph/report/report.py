@@ -16,7 +16,8 @@ import pandas as pd
 
 from headgraph.analysis.artifacts import role_names, roles_of
 from headgraph.analysis.classes import load_classes
-from headgraph.analysis.evaluation import evaluate_pairs
+from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
+                                           evaluate_pairs)
 from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import StoreUnavailable, UsageError
@@ -273,12 +274,12 @@ def class_evaluation(run, classes, top_k):
     return evaluate_pairs(run.pairs, classes, k=top_k, types=types).set_index(["metric", "scope"])
 
 
-FIGURE_COUNT = 6
+FIGURE_COUNT = 7
 
 
 def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None, selection="selected edges",
                    advance=lambda: None):
-    """Write figures (a)–(f) that the run's data allows; {name: {"png": path, "svg": path}}.
+    """Write figures (a)–(g) that the run's data allows; {name: {"png": path, "svg": path}}.
 
     advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
     """
@@ -290,6 +291,9 @@ def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None
         "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
         "fig_kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
         "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
+        "fig_causal": lambda: figures.effect_scatter(run.pairs, model, CAUSAL_THRESHOLD,
+                                                     causal_pairs(run.pairs, CAUSAL_THRESHOLD))
+        if "effect_lo" in run.pairs.columns else None,
         "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
                                                      selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
         "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
@@ -317,6 +321,41 @@ def _interactive_blocks(run, selected, classes):
     fragment = interactive_graph(head_network(selected), dims.n_layers, dims.n_heads, dims.n_kv_heads,
                                  dict(classes.classes) if classes is not None else None)
     return [("h", 3, "Interactive graph"), ("interactive", fragment)]
+
+
+def _causal_blocks(run, figs):
+    """"Do the edges carry information?": the strongest effects, PK and CS judged against them, the scatter."""
+    causal = run.record.causal
+    if causal is None:
+        return []
+    blocks = [("h", 2, "Do the edges carry information?")]
+    if "skipped" in causal:
+        return blocks + [("p", f"Causal effects were not computed: {causal['skipped']}.")]
+    inputs = ", ".join(f"{n} {name}" for name, n in causal["inputs"].items())
+    blocks.append(("p", f"Direct-path patching ({causal['ablation']} ablation) on {inputs} inputs ({causal['source']}). "
+                        "`effect` is the local effect of the source's output on the target's query, key or value "
+                        "input alone: attention moved (total variation, 0…1) for Q/K, relative change of the "
+                        "output for V; `effect_loss` runs the rest of the model on it (decoder: nats of next-token "
+                        "loss, positive = the path helps; encoder: relative change of the final hidden states). "
+                        "Intervals: 95 % bootstrap over inputs. An effect is evidence on these inputs, not a "
+                        "circuit."))
+    with_effect = run.pairs[run.pairs["effect"].notna()]
+    strongest = with_effect.assign(kind=with_effect["source_type"] + with_effect["target_type"]).sort_values(
+        "effect", ascending=False).groupby("kind", sort=True).head(5)
+    columns = ["kind", "source", "target", "effect", "effect_lo", "effect_hi", "pk", "cs"]
+    columns += [c for c in ("effect_loss", "effect_loss_lo", "effect_loss_hi") if c in strongest.columns]
+    blocks += [("p", "Largest local effects per type:"),
+               ("table", strongest.sort_values(["kind", "effect"], ascending=[True, False])[columns]
+                .reset_index(drop=True))]
+    table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD)
+    blocks += [("p", f"PK and CS against the effects. {CAUSAL_DEFINITION.format(threshold=CAUSAL_THRESHOLD)}. "
+                     "`spearman` with its 95 % bootstrap interval over pairs (pairs share heads: the interval is "
+                     "optimistic); ROC / PR-AUC at finding the causal pairs; precision of the top-k pairs and of "
+                     "the top c (c = causal pairs); `base_rate` is what a random ranking scores."),
+               ("table", table)]
+    if "fig_causal" in figs:
+        blocks.append(("fig", "PK and CS against the local causal effect per type", figs["fig_causal"]))
+    return blocks
 
 
 def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None):
@@ -359,6 +398,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None,
         blocks += [("p", "Heads with a significant role, per layer:"), ("table", roles)]
     if "fig_roles" in figs:
         blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
+    blocks += _causal_blocks(run, figs)
     if evaluation is not None:
         blocks += [("h", 2, "Known head classes"),
                    ("p", f"Class set `{classes.name}` ({classes.source}). `in_class` / `out_of_class` count the "

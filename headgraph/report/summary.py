@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from headgraph.analysis.artifacts import roles_of
+from headgraph.analysis.artifacts import records, roles_of
 
 
 def print_roles(model: str, heads, meta: dict, console: Console, identity_map: bool = False) -> None:
@@ -94,3 +95,79 @@ def print_summary(data: dict, console: Console) -> None:
     console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
     for name, path in data["report"].items():
         console.print(f"{name}: {path}")
+
+
+def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: float) -> dict:
+    """`headgraph evaluate`: the class evaluation (when classes apply) and the causal evaluation (when the run
+    has effects) of a run folder, as plain data."""
+    from pathlib import Path
+
+    from headgraph.analysis.artifacts import read_table
+    from headgraph.analysis.classes import load_classes
+    from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, PAIR_KEYS, causal_evaluation,
+                                               evaluate_pairs)
+    from headgraph.errors import UsageError
+    from headgraph.report.report import default_classes
+    from headgraph.runs import RUN_FILE, load_run
+
+    folder = Path(run_dir)
+    path = folder / "pairs.parquet"
+    if not path.is_file():
+        raise UsageError(f"no pairs.parquet in '{run_dir}': run `headgraph analyze` to make a run folder first")
+    if (folder / RUN_FILE).is_file():
+        run = load_run(folder)
+        pairs, model = run.pairs, run.model
+        classes = load_classes(classes_name) if classes_name else default_classes(model)
+    else:  # a bare pairs table
+        pairs, model = read_table(path, PAIR_KEYS), None
+        classes = load_classes(classes_name or "pk-paper")
+    data = {"run": str(run_dir), "model": model, "top_k": top_k}
+    if classes is not None:
+        model_heads = set(pairs["source"]) | set(pairs["target"])
+        data.update(class_heads_in_run=len(classes.heads & model_heads),
+                    classes={"name": classes.name, "source": classes.source, "model": classes.model,
+                             "heads": len(classes.heads)},
+                    rows=records(evaluate_pairs(pairs, classes, k=top_k)))
+    if "effect" in pairs.columns and pairs["effect"].notna().any():
+        data["causal"] = {"definition": CAUSAL_DEFINITION.format(threshold=threshold), "threshold": threshold,
+                          "rows": records(causal_evaluation(pairs, threshold, k=top_k))}
+    if classes is None and "causal" not in data:
+        raise UsageError(f"nothing to evaluate in '{run_dir}': no known classes for {model} (pass --classes) "
+                         "and no causal effects (analyze without --no-causal)")
+    return data
+
+
+def print_evaluation(data: dict, console: Console) -> None:
+    """`evaluation_data` as tables: against known classes, then against causal effects."""
+    if "rows" in data:
+        classes = data["classes"]
+        headers = {"positives": "both in class", "in_class": "in-class", "out_of_class": "out-of-class",
+                   "roc_auc": "ROC-AUC", "pr_auc": "PR-AUC", "positive_rate": "base rate"}
+        table = Table(title=f"{classes['name']} classes ({data['class_heads_in_run']} of {classes['heads']} class "
+                            f"heads in this run), top-{data['top_k']} graph per type",
+                      caption=f"classes: {classes['source']}")
+        for col in data["rows"][0]:
+            table.add_column(headers.get(col, col), justify="left" if col in ("metric", "scope") else "right")
+        for row in data["rows"]:
+            table.add_row(*(f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)
+                            for v in row.values()))
+        console.print(table)
+    if "causal" in data:
+        causal = data["causal"]
+        table = Table(title="PK and CS against causal effects", box=box.SIMPLE_HEAD, pad_edge=False,
+                      caption=f"{causal['definition']}. by: the metric ranking the n pairs of a type, c of them "
+                              "causal; rho: Spearman with the effect, 95% bootstrap interval over pairs; ROC, PR: "
+                              "ROC-AUC, PR-AUC at finding the causal pairs; P@k: "
+                              f"precision of the top {data['top_k']} pairs; R-P: of the top c, c = causal pairs; "
+                              "base: the precision of a random ranking")
+        for col in ("by", "type", "n", "c", "rho [95% CI]", "ROC", "PR", "P@k", "R-P", "base"):
+            table.add_column(col, justify="left" if col in ("by", "type") else "right", no_wrap=True)
+        for r in causal["rows"]:
+            table.add_row(r["metric"], r["scope"], str(r["pairs"]), str(r["causal"]),
+                          f"{_num(r['spearman'])} [{_num(r['spearman_lo'])}, {_num(r['spearman_hi'])}]",
+                          *(_num(r[c]) for c in ("roc_auc", "pr_auc", "precision_at_k", "r_precision", "base_rate")))
+        console.print(table)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
