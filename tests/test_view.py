@@ -42,7 +42,8 @@ def run_folder(tmp_path_factory):
     pairs = pd.read_parquet(folder / "pairs.parquet")
     ok = (pairs["target_type"] == "K").to_numpy()
     effect = np.where(ok, np.random.default_rng(3).uniform(0.01, 0.5, len(pairs)), np.nan)
-    pairs = pairs.assign(effect=effect, effect_lo=effect * 0.6, effect_hi=effect * 1.5)
+    pairs = pairs.assign(effect=effect, effect_lo=effect * 0.6, effect_hi=effect * 1.5,
+                         effect_loss=-effect, effect_loss_lo=-effect * 1.2, effect_loss_hi=-effect * 0.8)
     pairs.to_parquet(folder / "pairs.parquet", index=False)
     render_report(folder, policy=SelectionPolicy(top_k=TOP_K), classes=CLASSES)
     return folder
@@ -202,14 +203,15 @@ def test_hovering_and_clicking_an_edge_show_the_pairs_table_numbers(run_folder, 
         shown = tip if how == "hover" else panel
         _wait(chromium, lambda b, shown=shown, edge_id=edge_id: shown.get_attribute("data-edge") == edge_id,
               f"{edge_id} on {how}")
-        effect = "—" if np.isnan(row["effect"]) else f"{g4(row['effect'])} [{g4(row['effect_lo'])}, {g4(row['effect_hi'])}]"
+        effect, loss = ("—" if np.isnan(row[c]) else f"{g4(row[c])} [{g4(row[f'{c}_lo'])}, {g4(row[f'{c}_hi'])}]"
+                        for c in ("effect", "effect_loss"))
         assert _fields(shown) == {"pk": g4(row["pk"]), "rank": str(row["rank"]), "q_model": g4(row["q_model"]),
-                                  "cs": g4(row["cs"]), "effect": effect}
+                                  "cs": g4(row["cs"]), "effect": effect, "effect_loss": loss}
         assert f"{source} → {target} {kind}" in shown.text
         if how == "hover":
             ARTIFACTS.mkdir(exist_ok=True)
             view.screenshot(str(ARTIFACTS / "view-edge-hover.png"))
-    assert "—" in _fields(panel)["effect"]  # the OQ pairs carry no effect: shown as absent, not as 0
+    assert _fields(panel)["effect"] == "—"  # the OQ pairs carry no effect: shown as absent, not as 0
 
 
 def test_type_and_pk_filters_hide_the_expected_edges(run_folder, expected, chromium):

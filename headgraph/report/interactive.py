@@ -1,6 +1,6 @@
 """The interactive head graph inside report.html: the selected graph (headgraph.analysis.network.head_network)
 drawn with the vendored cytoscape.js on the layer × head grid of the static figure `fig_topk_graph`, in the same
-colours. Hover an edge for its PK, q, CS and effect; click a head for its roles, centralities and neighbours;
+colours. Hover an edge for its PK, q, CS and effects; click a head for its roles, centralities and neighbours;
 filter by edge type and PK. The template is interactive.html; the page stays self-contained (the library and
 the graph are inlined, nothing is fetched).
 
