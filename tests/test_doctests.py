@@ -1,5 +1,6 @@
 """The runnable examples in the docstrings of the public functions (vocabulary, PK of two subspaces and of all
-pairs, selection, centrality, the networkx graph, its exports) run as part of the suite, so that they cannot rot."""
+pairs, selection, centrality, the networkx graph, its exports, the interactive view's data) run as part of
+the suite, so that they cannot rot."""
 
 import doctest
 
@@ -7,9 +8,11 @@ import pytest
 
 from headgraph import export, heads
 from headgraph.analysis import centrality, network, pk, selection
+from headgraph.report import interactive
 
 
-@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, export], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, export, interactive],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
