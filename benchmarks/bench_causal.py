@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,7 +58,7 @@ def bench_analyze(runs: int) -> None:
                 subprocess.run(command, check=True, capture_output=True)
                 walls[mode].append(time.perf_counter() - started)
                 if mode == "on":
-                    stages.append(json.loads(open(f"{out}/run.json").read())["causal"]["timings_s"])
+                    stages.append(json.loads(Path(out, "run.json").read_text())["causal"]["timings_s"])
     ratios = [a / b for a, b in zip(walls["on"], walls["off"])]
     print(f"headgraph analyze all-MiniLM-L6-v2, {runs} runs each (whole processes)")
     for mode in ("on", "off"):
