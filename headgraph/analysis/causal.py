@@ -237,9 +237,17 @@ class _Net:
     gram: torch.Tensor  # W_O W_O^T [L, H, e, e]: ||z W_O||^2 = z G z^T
 
     def norm(self, layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
-        """The model's own LayerNorm ln{which} of `layer` applied to x (forward, not __call__: the block's
-        capture hooks on ln1 would hold on to x)."""
-        return getattr(self.bridge.blocks[layer], f"ln{which}").forward(x)
+        """The model's own LayerNorm ln{which} of `layer` applied to x: where the bridge runs the wrapped
+        torch LayerNorm (observed without hooks, its numerics exactly), that module's layer_norm directly, which
+        spares the bridge's hook-point statistics; else the bridge's forward (not __call__: the block's capture
+        hooks on ln1 would hold on to x)."""
+        bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
+        wrapped = bridge_norm.original_component
+        native = bridge_norm.use_native_layernorm_autograd or getattr(bridge_norm.config, "layer_norm_folding", False)
+        if native and type(wrapped) is torch.nn.LayerNorm and x.dtype in (torch.float32, torch.float64):
+            return torch.nn.functional.layer_norm(x, wrapped.normalized_shape, wrapped.weight, wrapped.bias,
+                                                  wrapped.eps)
+        return bridge_norm.forward(x)
 
 
 def _network(model, probe: TokenInputs) -> _Net:
