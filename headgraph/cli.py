@@ -327,6 +327,29 @@ def report_command(run, classes_name, out_dir, policy, store):
                f"{sum(name.endswith('.png') for name in paths)} figures (PNG + SVG) to {paths['report.md'].parent}")
 
 
+@cli.command("view")
+@click.argument("run")
+@click.option("--no-open", is_flag=True, help="Print the path of report.html instead of opening a browser.")
+@store_options
+def view_command(run, no_open, store):
+    """Open the report.html of RUN (a run folder, or a stored run's id) with its interactive graph in the web
+    browser; render it first when the folder has none."""
+    import webbrowser
+
+    from headgraph.errors import UsageError
+    from headgraph.report.report import report_page, resolve_run_dir
+
+    path, rendered = report_page(resolve_run_dir(run, store))
+    if rendered:
+        click.echo(f"rendered {path} (default selection; `headgraph report` takes other options)", err=True)
+    if no_open:
+        click.echo(path)
+    elif webbrowser.open(path.resolve().as_uri()):
+        click.echo(f"opened {path}")
+    else:
+        raise UsageError(f"no web browser found to open {path}; open the file yourself or pass --no-open")
+
+
 @cli.command("compare")
 @click.argument("run_a")
 @click.argument("run_b")

@@ -1,6 +1,6 @@
 """The runnable examples in the docstrings of the public functions (vocabulary, PK of two subspaces and of all
-pairs, selection, centrality, the networkx graph, its exports, loading a model, the Python API) run as part of the
-suite, so that they cannot rot."""
+pairs, selection, centrality, the networkx graph, its exports, the interactive view's data, loading a model, the
+Python API) run as part of the suite, so that they cannot rot."""
 
 import doctest
 
@@ -9,9 +9,10 @@ import pytest
 from headgraph import api, export, heads
 from headgraph.analysis import centrality, network, pk, selection
 from headgraph.loader import models
+from headgraph.report import interactive
 
 
-@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, models, export, api],
+@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, models, export, interactive, api],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

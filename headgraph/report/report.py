@@ -18,10 +18,12 @@ from headgraph.analysis.artifacts import role_names, roles_of
 from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
                                            evaluate_pairs)
+from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
+from headgraph.report.interactive import MAX_EDGES, interactive_graph
 from headgraph.runs import Run, RunRecord, load_run
 
 DEFAULT_EVAL_K = 20
@@ -140,7 +142,8 @@ def _html_inline(text):
 
 
 def to_markdown(blocks):
-    """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths)."""
+    """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths),
+    ("interactive", HTML fragment: only report.html shows it; the markdown says where it is)."""
     out = []
     for block in blocks:
         kind = block[0]
@@ -152,6 +155,9 @@ def to_markdown(blocks):
             out.append(_md_table(block[1]))
         elif kind == "fig":
             out.append(f"![{block[1]}]({block[2]['png'].name})\n\n*{block[1]}* (vector: `{block[2]['svg'].name}`)")
+        elif kind == "interactive":
+            out.append("The interactive graph (hover an edge, click a head, filter by type and PK) is in `report.html`; "
+                       "`headgraph view <run folder>` opens it.")
     return "\n\n".join(out) + "\n"
 
 
@@ -161,9 +167,15 @@ text-align:left}th{background:#f2f2f2}img{max-width:100%}figure{margin:1.5em 0}f
 code{background:#f4f4f4;padding:0 3px}"""
 
 
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+"""The page's Content-Security-Policy: the browser itself refuses to fetch anything (the page is self-contained)."""
+
+
 def to_html(blocks, title):
-    """A self-contained HTML page for report blocks; figures are embedded as base64 PNG."""
-    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    """A self-contained HTML page for report blocks; figures are embedded as base64 PNG, the interactive graph
+    inline, and the page forbids itself any fetch (`_CSP`)."""
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
+           f"<meta http-equiv='Content-Security-Policy' content=\"{_CSP}\"><title>{html.escape(title)}</title>"
            f"<style>{_CSS}</style></head><body>"]
     for block in blocks:
         kind = block[0]
@@ -178,6 +190,8 @@ def to_html(blocks, title):
             caption = html.escape(block[1])
             out.append(f"<figure><img alt='{caption}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{caption}</figcaption></figure>")
+        elif kind == "interactive":
+            out.append(block[1])
     out.append("</body></html>")
     return "\n".join(out)
 
@@ -306,6 +320,20 @@ def render_figures(builders, out_dir, advance=lambda: None):
     return paths
 
 
+def _interactive_blocks(run, selected, classes):
+    """The interactive graph of the selected edges (headgraph.report.interactive), or why it is left out."""
+    n_edges = len(selected.edges)
+    if n_edges == 0:
+        return []
+    if n_edges > MAX_EDGES:
+        return [("p", f"The interactive graph is left out: {n_edges} selected edges are more than it draws "
+                      f"({MAX_EDGES}); narrow the selection with `--top-k` or `--max-q`.")]
+    dims = run.record.dims
+    fragment = interactive_graph(head_network(selected), dims.n_layers, dims.n_heads, dims.n_kv_heads,
+                                 dict(classes.classes) if classes is not None else None)
+    return [("h", 3, "Interactive graph"), ("interactive", fragment)]
+
+
 def _causal_blocks(run, figs):
     """"Do the edges carry information?": the strongest effects, PK and CS judged against them, the scatter."""
     causal = run.record.causal
@@ -341,8 +369,9 @@ def _causal_blocks(run, figs):
     return blocks
 
 
-def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None):
-    """The report as blocks (see `to_markdown`)."""
+def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None):
+    """The report as blocks (see `to_markdown`); selected: the SelectedGraph of `edges`, drawn interactively in
+    report.html when given."""
     summary = type_summary(run)
     blocks = [("h", 1, f"headgraph report — {run.model}"),
               ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
@@ -366,6 +395,8 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
                           ("fig_pk_vs_cs", "PK vs Composition Score with top-3 % cut-offs")):
         if name in figs:
             blocks.append(("fig", caption, figs[name]))
+        if name == "fig_topk_graph" and selected is not None:
+            blocks += _interactive_blocks(run, selected, classes)
     blocks += [("h", 2, "Hubs"), *([("p", _hub_text(hubs)), ("table", hubs)] if len(edges)
                                     else [("p", "The selected graph has no edges, so no head is a hub.")])]
     if "fig_hubs" in figs:
@@ -405,7 +436,7 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     hubs = hub_table(selected.hubs, run.heads)
     figs = render_figures(selection_figures(run, selected, classes), out_dir, advance=advance)
     evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
-    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes)
+    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
     paths["report.md"].write_text(to_markdown(blocks))
     paths["report.html"].write_text(to_html(blocks, f"headgraph report — {run.model}"))
@@ -413,6 +444,15 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     for name, files in figs.items():
         paths[f"{name}.png"], paths[f"{name}.svg"] = files["png"], files["svg"]
     return paths
+
+
+def report_page(run_dir):
+    """The run folder's report.html, rendered first (default selection and classes) when the folder has none;
+    (path, whether it was rendered now). An existing page is shown as it is: `headgraph report` re-renders it."""
+    path = Path(run_dir) / "report.html"
+    if path.is_file():
+        return path, False
+    return render_report(run_dir)["report.html"], True
 
 
 def resolve_run_dir(run, store):
