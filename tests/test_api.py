@@ -127,7 +127,7 @@ def test_load_run_of_a_saved_run_equals_the_original(run, tmp_path):
         pd.testing.assert_frame_equal(getattr(loaded, table), getattr(run, table), check_exact=True)
     assert loaded.policy == run.policy  # read back from the record's selection
     pd.testing.assert_frame_equal(loaded.edges, run.edges, check_exact=True)
-    fewer = run.select(top_k=2, max_q=0.5).save(tmp_path / "fewer")
+    run.select(top_k=2, max_q=0.5).save(tmp_path / "fewer")
     assert headgraph.load_run(tmp_path / "fewer").policy == SelectionPolicy(top_k=2, max_q=0.5)
     assert headgraph.load_run(tmp_path / "fewer", policy=SelectionPolicy(top_k=1)).record.selection == \
         "top 1 per type by PK"

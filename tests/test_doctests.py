@@ -7,12 +7,12 @@ import doctest
 import pytest
 
 from headgraph import api, export, heads
-from headgraph.analysis import centrality, network, pk, selection
+from headgraph.analysis import centrality, network, pk, selection, stability
 from headgraph.loader import models
 from headgraph.report import interactive
 
 
-@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, models, export, interactive, api],
+@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, stability, models, export, interactive, api],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

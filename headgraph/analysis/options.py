@@ -14,6 +14,14 @@ DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 CORRECTIONS = ("none", "bh", "bonferroni")
+STABILITY_VARIANTS = {
+    "float64": "subspaces, PK, reference and null in float64 instead of float32 (roles and effects stay float32)",
+    "rank_tol_x10": "rank tolerance x10 (more singular directions dropped)",
+    "rank_tol_div10": "rank tolerance / 10",
+    "null_seed": "another seed of the isotropic reference and the model-matched null",
+    "inputs": "another draw of the role-test and causal inputs",
+    "cuda": "computed on CUDA instead of the CPU",
+}
 ABLATIONS = ("resample", "mean")
 DEFAULT_N_BOOT = 1000  # bootstrap samples of the causal effects' intervals
 
@@ -33,6 +41,7 @@ class PKOptions:
     bin_width: float = DEFAULT_BIN_WIDTH
     kl_eps: float = DEFAULT_KL_EPS
     formulation: str = "auto"
+    rank_tolerance: float = 1.0  # multiplier of the numerical-rank threshold max(d, k) * eps * sigma_max
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
 from headgraph.report.interactive import MAX_EDGES, interactive_graph
-from headgraph.runs import Run, RunRecord, load_run
+from headgraph.analysis.stability import role_flips, summary_rows
+from headgraph.runs import Run, RunRecord, load_run, read_stability
 
 DEFAULT_EVAL_K = 20
 
@@ -334,6 +335,24 @@ def _interactive_blocks(run, selected, classes):
     return [("h", 3, "Interactive graph"), ("interactive", fragment)]
 
 
+def _stability_blocks(run):
+    """"Stability": the run recomputed under each variant (stability.json, when `headgraph stability` ran)."""
+    report = read_stability(run.path)
+    if report is None:
+        return []
+    skipped = [f"{name} ({entry['skipped']})" for name, entry in report["variants"].items() if "skipped" in entry]
+    flips = role_flips(report)
+    text = ("The same analysis recomputed with one setting changed at a time; `pk_spearman` / `effect_spearman`: "
+            "rank correlation with this run over the same pairs, `jaccard`: overlap of the selected edges, "
+            "`significance_flips`: q_model <= 0.05 decisions that change. A value of 1 and no flips say the graph "
+            "does not depend on that setting, not that it is right.")
+    if flips:
+        text += " Role decisions that flip: " + ", ".join(f"{name} {n}" for name, n in flips.items()) + "."
+    if skipped:
+        text += " Not run: " + ", ".join(skipped) + "."
+    return [("h", 2, "Stability"), ("p", text), ("table", summary_rows(report))]
+
+
 def _causal_blocks(run, figs):
     """"Do the edges carry information?": the strongest effects, PK and CS judged against them, the scatter."""
     causal = run.record.causal
@@ -410,6 +429,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None,
     if "fig_roles" in figs:
         blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
     blocks += _causal_blocks(run, figs)
+    blocks += _stability_blocks(run)
     if evaluation is not None:
         blocks += [("h", 2, "Known head classes"),
                    ("p", f"Class set `{classes.name}` ({classes.source}). `in_class` / `out_of_class` count the "

@@ -195,5 +195,26 @@ def print_evaluation(data: dict, console: Console) -> None:
         console.print(table)
 
 
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_stability(report: dict, console: Console) -> None:
+    """A stability report (headgraph.workflow.run_stability) as tables: per variant and type, then roles."""
+    from headgraph.analysis.stability import role_flips, summary_rows
+
+    table = Table(title=f"stability of run {report['run']} ({report['policy']})", box=box.SIMPLE_HEAD,
+                  caption="rho: Spearman between the run and the variant over the same pairs; Jaccard: of the "
+                          "selected edges; flips: q_model <= 0.05 decisions that change")
+    for col in ("variant", "type", "rho PK", "rho effect", "Jaccard", "flips"):
+        table.add_column(col, justify="left" if col in ("variant", "type") else "right", no_wrap=True)
+    for row in records(summary_rows(report)):
+        table.add_row(row["variant"], row["type"], _num(row["pk_spearman"], 4), _num(row["effect_spearman"], 4),
+                      _num(row["jaccard"]), "-" if row["significance_flips"] is None else str(row["significance_flips"]))
+    console.print(table)
+    for name, entry in report["variants"].items():
+        if "skipped" in entry:
+            console.print(f"{name}: skipped ({entry['skipped']})")
+    flips = role_flips(report)
+    if flips:
+        console.print("role decisions that flip: " + ", ".join(f"{name} {n}" for name, n in flips.items()))
