@@ -182,3 +182,15 @@ def test_causal_evaluation_matches_scipy_and_sklearn():
 def test_causal_evaluation_needs_effects():
     with pytest.raises(UsageError, match="no causal effects"):
         E.causal_evaluation(_effect_pairs().drop(columns=["effect", "effect_lo"]))
+
+
+def test_resampled_ranks_are_scipys_average_ranks_of_each_resample():
+    from scipy.stats import rankdata
+
+    rng = np.random.default_rng(1)
+    x = np.round(rng.normal(size=200), 1)  # many ties
+    counts = rng.multinomial(200, np.full(200, 1 / 200), size=5).astype(float)
+    ranks = E._resampled_ranks(x, counts)
+    for b in range(5):
+        items = np.repeat(np.arange(200), counts[b].astype(int))
+        np.testing.assert_allclose(ranks[b][items], rankdata(x[items]))

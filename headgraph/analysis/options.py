@@ -79,7 +79,7 @@ effect costs a fraction of one."""
     max_memory: int = 1024**3  # working bytes of one batched patching step
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
-    loss_inputs: int = 16  # the first N inputs of each set: one forward pass per edge and input
+    loss_inputs: int = 8  # the first N inputs of each set: one forward pass per edge and input
 
     def __post_init__(self):
         if self.n_inputs < 2:
