@@ -64,7 +64,7 @@ def test_the_run_record_and_the_summary_say_how_effects_were_measured(analyzed):
     assert causal["ablation"] == "resample" and causal["types"] == ["OQ", "OK", "OV"]
     assert "total-variation" in causal["definitions"]["local_QK"]
     assert set(causal["timings_s"]) == {"local", "loss"}
-    assert causal["loss_inputs_per_set"] == {"ioi": 16, "repeated_tokens": 16} and causal["loss_edges_per_type"] == 50
+    assert causal["loss_inputs_per_set"] == {"ioi": 8, "repeated_tokens": 8} and causal["loss_edges_per_type"] == 50
 
 
 @pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])
