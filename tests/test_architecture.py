@@ -25,8 +25,9 @@ ALLOWED = {
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
     "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
+    "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "report", "workflow"},
     "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
-            "doctor", "neo4j_local", "export", "__init__"},
+            "doctor", "neo4j_local", "export", "sweep", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -60,6 +60,8 @@ RUN_PROPERTIES = {
     "min_effect": "DOUBLE",
     "policy": "STRING",
     "created": "STRING",
+    "sweep": "STRING",
+    "step": "INT64",
     "status": "STRING",
     "n_heads": "INT64",
     "n_edges": "INT64",
@@ -92,11 +94,14 @@ HEAD_PROPERTIES = {
     "rank_v": "INT64",
     "rank_o": "INT64",
     "classes": "STRING[]",
+    "roles": "STRING[]",
     "identity_score": "DOUBLE",
     "identity_p": "DOUBLE",
     "identity_sig": "BOOLEAN",
     **CENTRALITY_PROPERTIES,
 }
+"""Head `roles`: the roles whose test is significant for the head (from the `<role>_sig` columns), so that a
+query can ask for any role by name; empty when no role was significant, null when roles were not tested."""
 EDGE_PROPERTIES = {
     "kind": "STRING",
     "run_id": "STRING",
