@@ -147,6 +147,13 @@ MATCH (h:Head) WHERE h.run_id = $run
 OPTIONAL MATCH (h)-[e]->(:Head)
 RETURN count(DISTINCT h) AS heads, count(e) AS edges
 """
+LATEST_SWEEP_QUERY = """
+MATCH (r:Run) WHERE r.status = 'complete' AND r.sweep IS NOT NULL
+RETURN r.sweep AS sweep ORDER BY r.created DESC, r.id DESC LIMIT 1
+"""
+SWEEP_EXISTS_QUERY = """
+MATCH (r:Run) WHERE r.sweep = $sweep AND r.status = 'complete' RETURN r.id LIMIT 1
+"""
 LATEST_RUN_QUERY = """
 MATCH (r:Run) WHERE r.status = 'complete'
 RETURN r.id AS id ORDER BY r.created DESC, r.id DESC LIMIT 1
@@ -402,6 +409,11 @@ class GraphStore(ABC):
     def latest_run(self) -> str | None:
         """The id of the most recently created complete run, or None."""
         rows = self.read(LATEST_RUN_QUERY).rows
+        return rows[0][0] if rows else None
+
+    def latest_sweep(self) -> str | None:
+        """The sweep id of the most recently created complete run that belongs to a sweep, or None."""
+        rows = self.read(LATEST_SWEEP_QUERY).rows
         return rows[0][0] if rows else None
 
 
