@@ -223,7 +223,7 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
                         try:
                             folder, graph = future.result()
                         except BrokenProcessPool:
-                            failures.append(f"{checkpoint.describe()}: its worker process died")
+                            failures.append(f"{checkpoint.describe()}: a worker process died before it finished")
                             continue
                         except Exception as e:  # noqa: BLE001 - reported with the checkpoint it belongs to
                             failures.append(f"{checkpoint.describe()}: {type(e).__name__}: {first_line(e)}")
