@@ -96,10 +96,13 @@ class SweepRun:
 
 @dataclass(frozen=True)
 class SweepOutcome:
+    """A finished sweep: its id, folder and store, one SweepRun per checkpoint in step order, the report's files."""
+
     sweep_id: str
     folder: Path
     store: str
     runs: tuple[SweepRun, ...]
+    report: dict[str, Path]
 
 
 def parse_step(name: str) -> int | None:
@@ -232,8 +235,21 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
                         done.append(SweepRun(checkpoint, graph.run["id"], folder))
                         bar.advance(task)
                         console.print(f"stored {checkpoint.describe()} as run {graph.run['id']}", soft_wrap=True)
+        report = _render_report(store, identity, base) if options.analyze.report and not failures else {}
     if failures:
         raise SweepFailed(f"sweep {identity}: {len(failures)} of {len(checkpoints)} checkpoints not stored "
                           f"({'; '.join(failures)}); the others are, rerun the same command to analyse the rest")
     order = {c: i for i, c in enumerate(checkpoints)}
-    return SweepOutcome(identity, base, description, tuple(sorted(done, key=lambda r: order[r.checkpoint])))
+    return SweepOutcome(identity, base, description, tuple(sorted(done, key=lambda r: order[r.checkpoint])), report)
+
+
+def _render_report(store, identity: str, base: Path) -> dict[str, Path]:
+    """The sweep's report from what the store holds of it (earlier invocations' checkpoints included)."""
+    import pandas as pd
+
+    from headgraph.queries.runner import run_named
+    from headgraph.report.sweep import SweepData, render_sweep_report
+
+    emergence = {name: pd.DataFrame(run_named(store, name, {"sweep": identity}).records())
+                 for name in ("emergence", "role-emergence")}
+    return render_sweep_report(SweepData.read(store, identity), emergence["emergence"], emergence["role-emergence"], base)

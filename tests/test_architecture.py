@@ -25,7 +25,7 @@ ALLOWED = {
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
     "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
-    "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "report", "workflow"},
+    "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "workflow"},
     "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
             "doctor", "neo4j_local", "export", "sweep", "__init__"},
     "__main__": {"cli"},

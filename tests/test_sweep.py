@@ -3,6 +3,7 @@
 worker process killed mid-sweep (a real SIGKILL) leaves no run of its checkpoint and the rerun completes the
 sweep; the sweep's queries read back what the run folders hold, and show the phase change."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -133,6 +134,24 @@ def test_the_previous_token_heads_ok_edges_emerge_with_the_induction_role(swept)
     assert all(edges[PREVIOUS_TOKEN, head] == 3000 for head in INDUCTION)
     assert history["q_model"].iloc[0] > 0.05 and (history["q_model"].iloc[1:] < 1e-6).all()
     assert (history["pk"].iloc[1:] > history["pk"].iloc[0]).all()
+
+
+def test_the_sweep_report_shows_the_strongest_edges_and_roles_over_the_steps(swept):
+    outcome, options = swept
+    again = run_sweep(checkpoints_in(PACKAGED_MODELS_DIR, final_step=6000),
+                      dataclasses.replace(options, analyze=dataclasses.replace(options.analyze, report=True)),
+                      "models", progress=False)  # every checkpoint stored: only the report is made
+    assert all(r.skipped for r in again.runs) and {p.name for p in again.report.values()} == {
+        "report.md", "report.html", "fig_sweep.png", "fig_sweep.svg"}
+    report = again.report["report.md"].read_text()
+    pks = []
+    for run in outcome.runs:
+        pairs = load_run(run.folder).pairs
+        pks.append(pairs[pairs.source.eq(PREVIOUS_TOKEN) & pairs.target.eq("L1H0") & pairs.target_type.eq("K")
+                         & pairs.source_type.eq("O")]["pk"].item())
+    assert f"| OK | {PREVIOUS_TOKEN} | L1H0 | 3000 | " + " | ".join(f"{pk:.4g}" for pk in pks) + " |" in report
+    assert all(f"| induction | {head} | 1 | 3000 |" in report for head in INDUCTION)
+    assert again.report["fig_sweep.png"].stat().st_size > 10_000
 
 
 def _worker_of(driver: psutil.Process) -> psutil.Process:
