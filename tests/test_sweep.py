@@ -154,6 +154,28 @@ def test_the_sweep_report_shows_the_strongest_edges_and_roles_over_the_steps(swe
     assert again.report["fig_sweep.png"].stat().st_size > 10_000
 
 
+@pytest.mark.neo4j
+def test_a_sweep_into_neo4j_is_tagged_and_resumed(neo4j_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
+    spec = StoreSpec(neo4j=neo4j_config["uri"], user=neo4j_config["user"])
+    analysis = AnalyzeOptions(out_dir=str(tmp_path), pk=PKOptions(null_heads=4, reference_samples=200), roles=None,
+                              causal=None, store=spec, report=False)
+    options = SweepOptions(analysis, sweep_id=f"neo4j-sweep-{os.getpid()}-{tmp_path.name}")
+    checkpoints = checkpoints_of(["induction-2l-step2000", "induction-2l-step3000"])
+    outcome = run_sweep(checkpoints, options, progress=False)
+    try:
+        again = run_sweep(checkpoints, options, progress=False)
+        assert [r.run_id for r in again.runs] == [r.run_id for r in outcome.runs] and all(r.skipped for r in again.runs)
+        with spec.open(read_only=True) as store:
+            rows = run_named(store, "edge-history", {"sweep": options.sweep_id, "source": PREVIOUS_TOKEN,
+                                                     "target": "L1H0", "types": "OK"}).records()
+        assert [(r["step"], r["run"]) for r in rows] == [(2000, outcome.runs[0].run_id), (3000, outcome.runs[1].run_id)]
+    finally:
+        with spec.open() as store:
+            for run in outcome.runs:
+                store.delete_run(run.run_id)
+
+
 def _worker_of(driver: psutil.Process) -> psutil.Process:
     (worker,) = [p for p in driver.children() if "spawn_main" in " ".join(p.cmdline())]
     return worker
