@@ -182,8 +182,11 @@ def analyze_command(model, options, as_json):
                    "resumes the same sweep).")
 @click.option("--workers", default=SWEEP.workers, show_default=True, type=click.IntRange(min=1),
               help="Worker processes analysing checkpoints at once (the store is written by this process only).")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run each checkpoint as a task on this Ray cluster (auto, HOST:PORT, or local for a new one); "
+                   "needs headgraph[ray].")
 @analyze_options
-def sweep_command(models, checkpoints_dir, final_step, sweep_id, workers, options):
+def sweep_command(models, checkpoints_dir, final_step, sweep_id, workers, ray_address, options):
     """One analyze per checkpoint (--checkpoints DIR) or per MODEL, all in one store, each run tagged with the
     sweep id and its step; checkpoints already stored for the sweep are skipped (rerun to resume). Query it
     with edge-history, role-history and emergence."""
@@ -199,7 +202,7 @@ def sweep_command(models, checkpoints_dir, final_step, sweep_id, workers, option
     checkpoints = checkpoints_in(checkpoints_dir, final_step) if checkpoints_dir else checkpoints_of(models, final_step)
     label = Path(checkpoints_dir).resolve().name if checkpoints_dir else "sweep"
     console = Console(stderr=True)
-    outcome = run_sweep(checkpoints, SweepOptions(options, sweep_id, workers), label, console=console,
+    outcome = run_sweep(checkpoints, SweepOptions(options, sweep_id, workers, ray_address), label, console=console,
                         progress=console.is_terminal)
     for run in outcome.runs:
         click.echo(f"{run.checkpoint.step if run.checkpoint.step is not None else '-'}\t{run.checkpoint.name}\t"

@@ -8,7 +8,8 @@ in the same store and tagged with the sweep's id and the checkpoint's training s
 - Sweep id: given, or `<DIR name>-<8 hex>` of the analysis options, so that rerunning the same command (same
   folder, same options) names the same sweep and another set of options a new one.
 - Resumable: a checkpoint whose complete run with this sweep id, model and step is in the store is skipped.
-- Execution: worker processes (`spawn`ed, `workers` of them) compute each checkpoint's analysis and run folder
+- Execution: worker processes (`spawn`ed, `workers` of them) or Ray tasks (`ray`: a cluster's address, the
+  optional extra headgraph[ray]) compute each checkpoint's analysis and run folder (on the worker's machine)
   without touching the store; the driver stores each finished run (the embedded store has one writer) through
   `GraphStore.load_run`, so a run is invisible until complete and a driver killed mid-load leaves a partial run
   that the next read-write open removes. A worker that dies or fails is reported, never retried: its checkpoint
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -65,18 +67,21 @@ class Checkpoint:
 @dataclass(frozen=True)
 class SweepOptions:
     """What `headgraph sweep` was asked to do besides which checkpoints: the analysis of each (its `out_dir` is
-    the sweep's folder, its store the sweep's store), the sweep id (None: derived, see `sweep_id`) and the
-    number of worker processes."""
+    the sweep's folder, its store the sweep's store), the sweep id (None: derived, see `sweep_id`), and where
+    to compute: `workers` local processes, or the Ray cluster at `ray`."""
 
     analyze: AnalyzeOptions = dataclasses.field(default_factory=AnalyzeOptions)
     sweep_id: str | None = None
     workers: int = 1
+    ray: str | None = None  # a Ray cluster's address ("auto", "HOST:PORT", "local": a new one) instead of workers
 
     def __post_init__(self):
         if self.sweep_id is not None and not _SWEEP_ID.match(self.sweep_id):
             raise UsageError(f"bad sweep id {self.sweep_id!r}: use letters, digits and . _ : - (no spaces or slashes)")
         if self.workers < 1:
             raise UsageError(f"--workers must be at least 1 (got {self.workers})")
+        if self.ray is not None and self.workers != 1:
+            raise UsageError("--workers counts local processes; with --ray the cluster's CPUs decide: drop --workers")
         if self.analyze.store is None:
             raise UsageError("a sweep stores its runs: drop --no-store (the run folders are written as well)")
 
@@ -180,16 +185,63 @@ def sweep_id(options: AnalyzeOptions, label: str) -> str:
     return f"{slug}-{digest}"
 
 
-def _init_worker(threads: int) -> None:
+def _analyze(checkpoint: Checkpoint, options: AnalyzeOptions, threads: int) -> tuple[Path, RunGraph]:
+    """In a worker: the whole analysis of one checkpoint on `threads` torch threads, run folder written,
+    nothing stored."""
     import torch
 
     torch.set_num_threads(threads)
-
-
-def _analyze(checkpoint: Checkpoint, options: AnalyzeOptions) -> tuple[Path, RunGraph]:
-    """In a worker: the whole analysis of one checkpoint, run folder written, nothing stored."""
     outcome = run_analyze(checkpoint.model, options, console=Console(stderr=True), progress=False)
     return outcome.folder, outcome.graph
+
+
+# a checkpoint's analysis as it comes back: (checkpoint, (folder, graph), None) or (checkpoint, None, why not)
+Finished = tuple[Checkpoint, tuple[Path, RunGraph] | None, str | None]
+
+
+def _in_processes(jobs: list[tuple[Checkpoint, AnalyzeOptions]], workers: int) -> Iterator[Finished]:
+    """The analyses in `workers` spawned local processes, as each finishes."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        pending = {pool.submit(_analyze, checkpoint, options, threads): checkpoint for checkpoint, options in jobs}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                checkpoint = pending.pop(future)
+                try:
+                    yield checkpoint, future.result(), None
+                except BrokenProcessPool:
+                    yield checkpoint, None, "a worker process died before it finished"
+                except Exception as e:  # noqa: BLE001 - reported with the checkpoint it belongs to
+                    yield checkpoint, None, f"{type(e).__name__}: {first_line(e)}"
+
+
+def _on_ray(jobs: list[tuple[Checkpoint, AnalyzeOptions]], address: str) -> Iterator[Finished]:
+    """The analyses as Ray tasks (one CPU and one torch thread each) on the cluster at `address`, as each
+    finishes; a task whose worker dies is not retried (it is reported, like a local worker's)."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'headgraph[ray]'") from None
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise UsageError(f"cannot reach the Ray cluster at --ray {address}: {first_line(e)} (a cluster with token "
+                         "authentication, Ray's default, needs RAY_AUTH_MODE=token here too)") from None
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=0)(_analyze)
+        pending = {remote.remote(checkpoint, options, 1): checkpoint for checkpoint, options in jobs}
+        while pending:
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            checkpoint = pending.pop(ready)
+            try:
+                yield checkpoint, ray.get(ready), None
+            except ray.exceptions.RayTaskError as e:  # the task raised: report its own exception
+                yield checkpoint, None, f"{type(e.cause).__name__}: {first_line(e.cause)}"
+            except ray.exceptions.RayError as e:  # the worker or its node died
+                yield checkpoint, None, f"its Ray worker died before it finished ({type(e).__name__})"
+    finally:
+        ray.shutdown()
 
 
 def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str = "sweep",
@@ -207,34 +259,24 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
     with options.analyze.store.open() as store:  # held for the whole sweep: the driver is the store's one writer
         stored = {(row["model"], row["step"]): row["id"] for row in store.read(SWEEP_RUNS_QUERY, {"sweep": identity}).records()}
         done = [SweepRun(c, stored[c.name, c.step], None) for c in checkpoints if (c.name, c.step) in stored]
-        todo = [c for c in checkpoints if (c.name, c.step) not in stored]
-        console.print(f"sweep {identity}: {len(checkpoints)} checkpoints, {len(done)} already stored in {description}", soft_wrap=True)
+        jobs = [(c, dataclasses.replace(options.analyze, out_dir=str(base / c.name), store=None, sweep=identity,
+                                        step=c.step)) for c in checkpoints if (c.name, c.step) not in stored]
+        console.print(f"sweep {identity}: {len(checkpoints)} checkpoints, {len(done)} already stored in {description}",
+                      soft_wrap=True)
         failures: list[str] = []
         with progress_bar(console, progress) as bar:
             task = bar.add_task(f"sweep {identity}", total=len(checkpoints), completed=len(done))
-            workers = min(options.workers, max(1, len(todo)))
-            threads = max(1, (os.cpu_count() or 1) // workers)
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                     initargs=(threads,)) as pool:
-                pending = {pool.submit(_analyze, c, dataclasses.replace(
-                    options.analyze, out_dir=str(base / c.name), store=None, sweep=identity, step=c.step)): c
-                    for c in todo}
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in finished:
-                        checkpoint = pending.pop(future)
-                        try:
-                            folder, graph = future.result()
-                        except BrokenProcessPool:
-                            failures.append(f"{checkpoint.describe()}: a worker process died before it finished")
-                            continue
-                        except Exception as e:  # noqa: BLE001 - reported with the checkpoint it belongs to
-                            failures.append(f"{checkpoint.describe()}: {type(e).__name__}: {first_line(e)}")
-                            continue
-                        store.load_run(graph)
-                        done.append(SweepRun(checkpoint, graph.run["id"], folder))
-                        bar.advance(task)
-                        console.print(f"stored {checkpoint.describe()} as run {graph.run['id']}", soft_wrap=True)
+            results = (_on_ray(jobs, options.ray) if options.ray is not None
+                       else _in_processes(jobs, min(options.workers, max(1, len(jobs)))))
+            for checkpoint, analysed, failure in results if jobs else ():
+                if failure is not None:
+                    failures.append(f"{checkpoint.describe()}: {failure}")
+                    continue
+                folder, graph = analysed
+                store.load_run(graph)
+                done.append(SweepRun(checkpoint, graph.run["id"], folder))
+                bar.advance(task)
+                console.print(f"stored {checkpoint.describe()} as run {graph.run['id']}", soft_wrap=True)
         report = _render_report(store, identity, base) if options.analyze.report and not failures else {}
     if failures:
         raise SweepFailed(f"sweep {identity}: {len(failures)} of {len(checkpoints)} checkpoints not stored "
