@@ -210,3 +210,31 @@ def test_the_sweep_defaults_to_the_latest_and_an_unknown_one_is_a_usage_error(la
     assert [r["step"] for r in rows] == list(STEPS)
     with pytest.raises(UsageError, match="no sweep 'nope' in"):
         run_named(ladybug, "emergence", {"sweep": "nope"})
+
+
+def test_an_embedded_store_made_before_sweeps_gains_sweep_step_and_roles(tmp_path):
+    """Run and Head tables created without `sweep`, `step` and `roles` (headgraph before sweeps) take a sweep's
+    runs: the tables are altered on the read-write open, the earlier run keeps nulls and no sweep."""
+    import ladybug
+
+    from headgraph.loader import ladybug_store, store as store_module
+
+    path = tmp_path / "old.lbdb"
+    old = {"Run": {n: t for n, t in store_module.RUN_PROPERTIES.items() if n not in ("sweep", "step")},
+           "Head": {n: t for n, t in store_module.HEAD_PROPERTIES.items() if n != "roles"}}
+    connection = ladybug.Connection(ladybug.Database(str(path)))
+    for statement in ladybug_store.schema_ddl():
+        for table, properties in old.items():
+            if statement.startswith(f"CREATE NODE TABLE IF NOT EXISTS {table}("):
+                statement = f"CREATE NODE TABLE {table}({ladybug_store._columns(properties)}, PRIMARY KEY({list(properties)[0]}))"
+        connection.execute(statement)
+    connection.close()
+    earlier, *sweep = _sweep_graphs()[:3]
+    earlier.run.update(sweep=None, step=None)
+    with LadybugStore(path) as store:
+        for graph in (earlier, *sweep):
+            store.load_run(graph)
+        rows = store.read("MATCH (r:Run) RETURN r.id AS id, r.sweep AS sweep, r.step AS step ORDER BY id").records()
+        assert [(r["sweep"], r["step"]) for r in rows] == [(None, None), (SWEEP, 200), (SWEEP, 300)]
+        history = run_named(store, "role-history", {"sweep": SWEEP, "role": "induction", "heads": "L4H2"}).records()
+        assert [(r["step"], r["significant"]) for r in history] == [(200, False), (300, True)]
