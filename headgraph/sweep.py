@@ -253,14 +253,14 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
     console = console or Console(stderr=True)
     identity = options.sweep_id or sweep_id(options.analyze, label)
     base = Path(options.analyze.out_dir or Path("runs") / identity)
-    for checkpoint in checkpoints:
-        resolve_model(checkpoint.model)  # an unknown model fails here, before any work
+    # the model name its runs are stored under; an unknown model fails here, before any work
+    keys = {c: (resolve_model(c.model)[0], c.step) for c in checkpoints}
     description = options.analyze.store.check()
     with options.analyze.store.open() as store:  # held for the whole sweep: the driver is the store's one writer
         stored = {(row["model"], row["step"]): row["id"] for row in store.read(SWEEP_RUNS_QUERY, {"sweep": identity}).records()}
-        done = [SweepRun(c, stored[c.name, c.step], None) for c in checkpoints if (c.name, c.step) in stored]
+        done = [SweepRun(c, stored[keys[c]], None) for c in checkpoints if keys[c] in stored]
         jobs = [(c, dataclasses.replace(options.analyze, out_dir=str(base / c.name), store=None, sweep=identity,
-                                        step=c.step)) for c in checkpoints if (c.name, c.step) not in stored]
+                                        step=c.step)) for c in checkpoints if keys[c] not in stored]
         console.print(f"sweep {identity}: {len(checkpoints)} checkpoints, {len(done)} already stored in {description}",
                       soft_wrap=True)
         failures: list[str] = []

@@ -21,6 +21,7 @@ from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import PACKAGED_MODELS_DIR
 from headgraph.loader.open_store import StoreSpec
 from headgraph.queries.runner import run_named
+from headgraph.report.report import render_report
 from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.runs import load_run
 from headgraph.sweep import SweepOptions, checkpoints_in, checkpoints_of, run_sweep
@@ -136,7 +137,7 @@ def test_the_previous_token_heads_ok_edges_emerge_with_the_induction_role(swept)
     assert (history["pk"].iloc[1:] > history["pk"].iloc[0]).all()
 
 
-def test_the_sweep_report_shows_the_strongest_edges_and_roles_over_the_steps(swept):
+def test_the_sweep_report_shows_the_strongest_edges_and_roles_over_the_steps(swept, tmp_path):
     outcome, options = swept
     again = run_sweep(checkpoints_in(PACKAGED_MODELS_DIR, final_step=6000),
                       dataclasses.replace(options, analyze=dataclasses.replace(options.analyze, report=True)),
@@ -152,6 +153,8 @@ def test_the_sweep_report_shows_the_strongest_edges_and_roles_over_the_steps(swe
     assert f"| OK | {PREVIOUS_TOKEN} | L1H0 | 3000 | " + " | ".join(f"{pk:.4g}" for pk in pks) + " |" in report
     assert all(f"| induction | {head} | 1 | 3000 |" in report for head in INDUCTION)
     assert again.report["fig_sweep.png"].stat().st_size > 10_000
+    checkpoint = render_report(outcome.runs[1].folder, out_dir=tmp_path)["report.md"].read_text()
+    assert f"| sweep (step) | {outcome.sweep_id} (3000) |" in checkpoint  # a checkpoint's own report names its sweep
 
 
 @pytest.mark.neo4j
