@@ -2,16 +2,26 @@
 
     python3 benchmarks/bench_causal.py                  # MiniLM (offline) and a GPT-2-small-shaped random model
     python3 benchmarks/bench_causal.py --inputs 16 --edges 3
+    python3 benchmarks/bench_causal.py --analyze 3       # `headgraph analyze all-MiniLM-L6-v2`, causal on vs off
 
 For each model: `local_effects` on every OQ/OK/OV pair over N generated inputs (the role-test inputs of its
 kind: sentence pairs for MiniLM, IOI prompts + repeated random tokens for the decoder) and `loss_effects` on a
 few edges; printed as seconds, seconds per input, pairs per second, and seconds per edge, each measured in
 this one run. The GPT-2-small shape is 12 layers x 12 heads, d_model 768, d_head 64 with a 512-token
-vocabulary (random weights: the cost does not depend on what the weights learned)."""
+vocabulary (random weights: the cost does not depend on what the weights learned).
+
+`--analyze N` times the README's main command as whole processes, N times each with causal effects on (the
+default) and off (`--no-causal`), alternating so that a drifting machine moves both alike, and prints the median
+ratio on / off (the target: at most 1.5) with the causal stage's own seconds from run.json."""
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,13 +46,42 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> None:
     print(f"  loss_effects  {loss_s:7.2f} s = {loss_s / max(len(edges), 1):.2f} s per edge ({len(edges)} edges)")
 
 
+def bench_analyze(runs: int) -> None:
+    walls, stages = {"on": [], "off": []}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            for mode in ("on", "off"):
+                out = f"{tmp}/{mode}{i}"
+                command = [sys.executable, "-m", "headgraph", "analyze", "all-MiniLM-L6-v2", "--out", out, "--db",
+                           f"{tmp}/{mode}{i}.lbdb", *(["--no-causal"] if mode == "off" else [])]
+                started = time.perf_counter()
+                subprocess.run(command, check=True, capture_output=True)
+                walls[mode].append(time.perf_counter() - started)
+                if mode == "on":
+                    stages.append(json.loads(Path(out, "run.json").read_text())["causal"]["timings_s"])
+    ratios = [a / b for a, b in zip(walls["on"], walls["off"])]
+    print(f"headgraph analyze all-MiniLM-L6-v2, {runs} runs each (whole processes)")
+    for mode in ("on", "off"):
+        print(f"  causal {mode:3s}: median {statistics.median(walls[mode]):6.1f} s "
+              f"(min {min(walls[mode]):.1f}, max {max(walls[mode]):.1f})")
+    print(f"  causal stage: local {statistics.median(s['local'] for s in stages):.1f} s, "
+          f"loss {statistics.median(s['loss'] for s in stages):.1f} s (medians)")
+    print(f"  ratio on / off: median {statistics.median(ratios):.2f} (pairwise: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=32, help="inputs per input set")
     parser.add_argument("--edges", type=int, default=5, help="edges for loss_effects")
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap samples")
+    parser.add_argument("--analyze", type=int, default=0, metavar="N",
+                        help="instead: N whole `headgraph analyze all-MiniLM-L6-v2` runs each with causal on and off")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.analyze:
+        bench_analyze(args.analyze)
+        return
     bench("all-MiniLM-L6-v2", load_model("all-MiniLM-L6-v2", processing="raw", device="cpu"), args.inputs,
           args.edges, args.boot)
     with tempfile.TemporaryDirectory() as tmp:

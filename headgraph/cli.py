@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import click
 
-from headgraph import __version__
-from headgraph.analysis.options import CORRECTIONS, CausalOptions, PKOptions, RoleOptions
+from headgraph._version import __version__
+from headgraph.analysis.options import CORRECTIONS, STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
 from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
 from headgraph.heads import parse_types
@@ -126,13 +126,15 @@ def analyze_options(command: Callable) -> Callable:
                   help="Loss effects for at most N selected edges per type, largest local effect first (0: none).")
     @CLASSES_OPTION
     @selection_options
+    @click.option("--stability", is_flag=True,
+                  help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
     @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
     @click.option("--no-report", is_flag=True, help="Skip the figures and report.")
     @store_options
     @functools.wraps(command)
     def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
                 reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
-                classes_name, policy, no_store, no_report, store, **kwargs):
+                classes_name, policy, stability, no_store, no_report, store, **kwargs):
         pk = PKOptions(types=parse_types(types), full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
                        max_memory=max_memory, reference_samples=reference_samples, null_heads=null_heads)
         options = AnalyzeOptions(
@@ -140,7 +142,8 @@ def analyze_options(command: Callable) -> Callable:
             roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
             causal=CausalOptions(n_inputs=causal_n, inputs_file=causal_inputs, loss=causal_loss_edges > 0,
                                  loss_edges=causal_loss_edges or None) if causal else None,
-            policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report)
+            policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report,
+            stability=stability)
         return command(*args, options=options, **kwargs)
 
     return wrapper
@@ -379,6 +382,56 @@ def report_command(run, classes_name, out_dir, policy, store):
                               advance=lambda: progress.advance(task))
     click.echo(f"wrote {paths['report.md']}, {paths['report.html']} and "
                f"{sum(name.endswith('.png') for name in paths)} figures (PNG + SVG) to {paths['report.md'].parent}")
+
+
+@cli.command("view")
+@click.argument("run")
+@click.option("--no-open", is_flag=True, help="Print the path of report.html instead of opening a browser.")
+@store_options
+def view_command(run, no_open, store):
+    """Open the report.html of RUN (a run folder, or a stored run's id) with its interactive graph in the web
+    browser; render it first when the folder has none."""
+    import webbrowser
+
+    from headgraph.errors import UsageError
+    from headgraph.report.report import report_page, resolve_run_dir
+
+    path, rendered = report_page(resolve_run_dir(run, store))
+    if rendered:
+        click.echo(f"rendered {path} (default selection; `headgraph report` takes other options)", err=True)
+    if no_open:
+        click.echo(path)
+    elif webbrowser.open(path.resolve().as_uri()):
+        click.echo(f"opened {path}")
+    else:
+        raise UsageError(f"no web browser found to open {path}; open the file yourself or pass --no-open")
+
+
+@cli.command("stability")
+@click.argument("run_dir", metavar="RUN", type=click.Path(file_okay=False))
+@click.option("--variant", "variants", multiple=True, type=click.Choice(list(STABILITY_VARIANTS)),
+              help="Recompute under this variant only (repeatable; default: all of them).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def stability_command(run_dir, variants, as_json):
+    """Recompute RUN (a run folder) under fp64, rank tolerance x10 and /10, another null seed, another draw of
+    the role and causal inputs (and CUDA where present); per type: Spearman of PK and of effect, Jaccard of the
+    selected edges, significance and role decisions that flip. Written to RUN/stability.json (shown in the
+    report)."""
+    import json
+
+    from rich.console import Console
+
+    from headgraph.report.summary import print_stability
+    from headgraph.runs import load_run
+    from headgraph.workflow import run_stability
+
+    console = Console(stderr=True)
+    report = run_stability(load_run(run_dir), variants or tuple(STABILITY_VARIANTS), console=console,
+                           progress=console.is_terminal)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        print_stability(report, Console())
 
 
 @cli.command("compare")

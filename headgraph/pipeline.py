@@ -88,7 +88,8 @@ def stage_subspaces(state: AnalysisState, progress: Progress) -> None:
     with _stage(state, "subspaces"):
         dtype = DTYPES[opts.dtype]
         state.weights = {t: getattr(model, f"W_{t}").to(device=opts.device, dtype=dtype) for t in WEIGHT_TYPES}
-        state.subspaces = model_subspaces(state.weights, set(WEIGHT_TYPES), dtype, torch.device(opts.device))
+        state.subspaces = model_subspaces(state.weights, set(WEIGHT_TYPES), dtype, torch.device(opts.device),
+                                          opts.rank_tolerance)
     progress.advance(task)
 
 

@@ -1,11 +1,11 @@
 """The run record (run.json) and the run folder: written and read by these classes only.
 
 A run folder holds run.json (a `RunRecord`), pairs.parquet (one row per computed pair) and heads.parquet (one
-row per head). `RunRecord.to_json` / `RunRecord.from_json` are the only code that writes or reads run.json;
-NaN numbers are stored as null. Format versions: 3 is this one (it added `sweep` and `step`, null outside a
-sweep); 2 (which added `causal`), 1 and a run.json without `format_version` (written before versions existed,
-headgraph 0.1) have the same fields less the newer ones, so they are read as such; a newer version is refused
-with one line naming it.
+row per head), and stability.json once `headgraph stability` has run on it. `RunRecord.to_json` /
+`RunRecord.from_json` are the only code that writes or reads run.json; NaN numbers are stored as null. Format
+versions: 3 is this one (it added `sweep` and `step`, null outside a sweep); 2 (which added `causal`), 1 and a
+run.json without `format_version` (written before versions existed, headgraph 0.1) have the same fields less the
+newer ones, so they are read as such; a newer version is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from headgraph import __version__
+from headgraph._version import __version__
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, read_table
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
@@ -28,6 +28,7 @@ READABLE_VERSIONS = (0, 1, 2, FORMAT_VERSION)
 RUN_FILE = "run.json"
 PAIRS_FILE = "pairs.parquet"
 HEADS_FILE = "heads.parquet"
+STABILITY_FILE = "stability.json"
 _JSON_NAMES = {"fraction_q_model_below_005": "fraction_q_model_below_0.05"}  # field -> run.json key
 
 
@@ -165,6 +166,27 @@ def write_run(result: AnalysisResult, out_dir) -> Path:
     result.pairs.to_parquet(folder / PAIRS_FILE, index=False)
     result.heads.to_parquet(folder / HEADS_FILE, index=False)
     return folder
+
+
+def write_stability(folder, report: dict) -> Path:
+    """stability.json in a run folder: {"variants": {name: {"what", "pairs", "roles"} or {"skipped"}}}."""
+    path = Path(folder) / STABILITY_FILE
+    path.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False))
+    return path
+
+
+def read_stability(folder) -> dict | None:
+    """A run folder's stability.json, or None when `headgraph stability` has not run on it."""
+    path = Path(folder) / STABILITY_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise UsageError(f"cannot read {path} ({e}); rerun `headgraph stability`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), dict):
+        raise UsageError(f"{path} is not a stability report; rerun `headgraph stability`")
+    return data
 
 
 def write_roles(heads: pd.DataFrame, meta: dict[str, Any], out_dir) -> tuple[Path, Path]:

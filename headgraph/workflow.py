@@ -1,10 +1,11 @@
 """The whole `headgraph analyze` flow, one step after another:
 load -> subspaces / PK / references / significance / CS -> roles -> local causal effects -> graph selection
-and centrality -> loss effects of the selected edges -> artifacts -> report -> store. Each step is a library call; this module only orders them and records where the
-results went. The store comes last so that a run marked complete there is never followed by a failure."""
+and centrality -> loss effects of the selected edges -> artifacts -> (stability) -> report -> store. Each step
+is a library call; this module only orders them and records where the results went. The store comes last so that a run marked complete there is never followed by a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import secrets
@@ -18,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
 from headgraph.errors import UsageError
 from headgraph.files import writable_folder
-from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
+from headgraph.analysis.options import STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import RunGraph
-from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, AnalysisResult, Run, write_run
+from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, Run, write_run
 
 @dataclass(frozen=True)
 class AnalyzeOptions:
@@ -34,6 +35,8 @@ class AnalyzeOptions:
     pk: PKOptions = field(default_factory=PKOptions)
     roles: RoleOptions | None = field(default_factory=RoleOptions)  # None: no role tests
     causal: CausalOptions | None = field(default_factory=CausalOptions)  # None: no causal effects
+    inputs_seed: int | None = None  # seed of the generated role and causal inputs (None: pk.seed)
+    stability: bool = False  # recompute under every stability variant before the report (run_stability)
     policy: SelectionPolicy = field(default_factory=SelectionPolicy)
     classes: str | None = None
     store: StoreSpec | None = field(default_factory=StoreSpec)
@@ -79,15 +82,20 @@ def _check_folder(folder: Path) -> None:
 def _clear_earlier_run(folder: Path) -> None:
     """Remove what an earlier run wrote into the same folder, so no old report or figure sits beside the new run."""
     if (folder / RUN_FILE).is_file():
-        for pattern in (RUN_FILE, PAIRS_FILE, HEADS_FILE, "report.md", "report.html", "fig_*.png", "fig_*.svg"):
+        for pattern in (RUN_FILE, PAIRS_FILE, HEADS_FILE, STABILITY_FILE, "report.md", "report.html", "fig_*.png", "fig_*.svg"):
             for path in folder.glob(pattern):
                 path.unlink()
+
+
+def _inputs_seed(options: AnalyzeOptions) -> int:
+    return options.pk.seed if options.inputs_seed is None else options.inputs_seed
 
 
 def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress: Progress) -> None:
     from headgraph.analysis.roles import compute_roles
 
-    roles, meta = compute_roles(model, seed=options.pk.seed, progress=progress, **dataclasses.asdict(options.roles))
+    roles, meta = compute_roles(model, seed=_inputs_seed(options), progress=progress,
+                                **dataclasses.asdict(options.roles))
     result.heads = result.heads.merge(roles, on=["head", "layer", "index"], how="left", validate="one_to_one")
     result.run = dataclasses.replace(result.run, roles=meta)
 
@@ -114,25 +122,28 @@ def _add_loss_effects(result: AnalysisResult, selected: SelectedGraph, stage, se
     return dataclasses.replace(selected, edges=edges)
 
 
-def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | None = None,
-                progress: bool = True) -> AnalyzeOutcome:
-    """Run the whole pipeline on one model and return what it produced (see the module docstring)."""
+def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, progress: bool = True,
+                tokenizer=None) -> AnalyzeOutcome:
+    """Run the whole pipeline on one model and return what it produced (see the module docstring).
+
+    model: a name or folder, or a model already loaded (a transformers PreTrainedModel, with `tokenizer` or the
+    one saved beside it, or a TransformerBridge): headgraph.loader.models.load_model takes each the same way."""
     from headgraph.analysis.classes import load_classes
-    from headgraph.loader.models import load_model, resolve_model
+    from headgraph.loader.models import describe_model, load_model
     from headgraph.pipeline import analyze, resolve_device
     from headgraph.report.report import default_classes, render_report
 
     console = console or Console(stderr=True)
     device = resolve_device(options.pk.device)
+    model_name, _ = describe_model(model)  # an unknown model fails here, before the store is touched
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
-    resolve_model(model_name)  # an unknown model fails here, before the store is touched
     _check_folder(Path(options.out_dir or "runs"))
     if options.policy.min_effect is not None and options.causal is None:
         raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
 
-    with console.status(f"loading {model_name}"):
-        model = load_model(model_name, processing=options.processing, device=device)
+    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext():
+        model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
     if options.roles:
         from headgraph.analysis.roles import check_tokenizer
 
@@ -141,7 +152,7 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     if options.causal:
         from headgraph.analysis.causal import CausalStage
 
-        causal = CausalStage.prepare(model, options.causal, options.pk.seed)
+        causal = CausalStage.prepare(model, options.causal, _inputs_seed(options))
     result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console, progress=progress)
     run_id = new_run_id(model.name)
     folder = Path(options.out_dir or Path("runs") / run_id)
@@ -150,18 +161,20 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
     with progress_bar(console, progress) as bar:
         if options.roles:
             _add_roles(result, model, options, bar)
-        effects = causal is not None and _add_local_effects(result, causal, options.pk.seed, console, bar)
+        effects = causal is not None and _add_local_effects(result, causal, _inputs_seed(options), console, bar)
         selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         if effects and options.causal.loss:
-            selected = _add_loss_effects(result, selected, causal, options.pk.seed, bar)
+            selected = _add_loss_effects(result, selected, causal, _inputs_seed(options), bar)
         _clear_earlier_run(folder)
         write_run(result, folder)
+        run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
+        if options.stability:
+            run_stability(run, console=console, progress=progress)
         paths = {}
         if options.report:
             from headgraph.report.report import FIGURE_COUNT
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
             paths = render_report(run, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
                                   selected=selected)
         graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
@@ -171,3 +184,77 @@ def run_analyze(model_name: str, options: AnalyzeOptions, console: Console | Non
                 store.load_run(graph)
             bar.advance(task)
     return AnalyzeOutcome(folder, result, selected, graph, store_description, paths)
+
+
+def rerun_options(run: Run) -> AnalyzeOptions:
+    """The settings a run was made with, read off its record (no store, no report): what `run_stability`
+    varies one at a time."""
+    record = run.record
+    pk = PKOptions(types=record.types, full_matrix=not record.pairs.startswith("earlier"), device=record.device,
+                   dtype=record.dtype, seed=record.seed, max_memory=record.max_memory,
+                   reference_samples=record.reference["samples"], null_heads=record.null_model["null_heads"])
+    roles = None
+    if record.roles:
+        roles = RoleOptions(**{f.name: record.roles[f.name] for f in dataclasses.fields(RoleOptions)
+                               if f.name in record.roles})
+    causal = None
+    if record.causal and "skipped" not in record.causal:
+        per_set = list(record.causal["inputs"].values())
+        causal = CausalOptions(n_inputs=max(per_set), ablation=record.causal["ablation"],
+                               n_boot=record.causal["n_boot"], loss=False)  # every pair's local effect is compared
+    return AnalyzeOptions(processing=record.processing, pk=pk, roles=roles, causal=causal,
+                          policy=SelectionPolicy.parse(record.selection), store=None, report=False)
+
+
+def _variant(options: AnalyzeOptions, name: str) -> AnalyzeOptions | str:
+    """The options of one stability variant, or why it cannot run here."""
+    import torch
+
+    pk = options.pk
+    if name == "float64":
+        return dataclasses.replace(options, pk=dataclasses.replace(pk, dtype="float64"))
+    if name == "null_seed":
+        return dataclasses.replace(options, pk=dataclasses.replace(pk, seed=pk.seed + 1), inputs_seed=pk.seed)
+    if name == "inputs":
+        if options.roles is None and options.causal is None:
+            return "the run has neither role tests nor causal effects"
+        return dataclasses.replace(options, inputs_seed=pk.seed + 1)
+    if name in ("rank_tol_x10", "rank_tol_div10"):
+        factor = 10.0 if name == "rank_tol_x10" else 0.1
+        return dataclasses.replace(options, pk=dataclasses.replace(pk, rank_tolerance=pk.rank_tolerance * factor))
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if pk.device == "cuda":
+            return "the run itself was computed on CUDA"
+        return dataclasses.replace(options, pk=dataclasses.replace(pk, device="cuda"))
+    raise UsageError(f"unknown stability variant {name!r}: use {', '.join(STABILITY_VARIANTS)}")
+
+
+def run_stability(run: Run, variants=tuple(STABILITY_VARIANTS), console: Console | None = None,
+                  progress: bool = True) -> dict:
+    """Recompute `run` under each variant (headgraph.analysis.stability), compare, and write stability.json
+    into the run folder; returns the report."""
+    import tempfile
+
+    from headgraph.analysis.stability import compare_runs
+    from headgraph.runs import load_run, write_stability
+
+    base = rerun_options(run)
+    report = {"run": run.record.id, "policy": base.policy.describe(), "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in variants:
+            options = _variant(base, name)
+            if isinstance(options, str):
+                report["variants"][name] = {"what": STABILITY_VARIANTS[name], "skipped": options}
+                continue
+            (console or Console(stderr=True)).print(f"stability: {name} ({STABILITY_VARIANTS[name]})")
+            outcome = run_analyze(run.record.model.source, dataclasses.replace(options, out_dir=f"{tmp}/{name}"),
+                                  console=console, progress=progress)
+            other = load_run(outcome.folder)
+            compared = compare_runs(run.pairs, other.pairs, run.heads if base.roles else None,
+                                    other.heads if base.roles else None, base.policy)
+            report["variants"][name] = {"what": STABILITY_VARIANTS[name], "pairs": compared.pairs,
+                                        "roles": compared.roles}
+    write_stability(run.path, report)
+    return report

@@ -101,3 +101,32 @@ def planted(tmp_path_factory):
     """(folder, truth) of the default planted model: 3 layers x 4 heads, hub L0H2, identity L0H0/L1H3, prev L0H1."""
     return _save_planted(tmp_path_factory.mktemp("planted") / "gpt2-planted", _PlantSpec())
 # ---- end loader fixtures ----
+
+
+# ---- browser fixtures (helpers "neo4j-browser" and "view"): headless Debian Chromium through Selenium ----
+import shutil as _browser_shutil
+
+import pytest as _browser_pytest
+
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1600,1000")  # fmt: skip
+
+
+@_browser_pytest.fixture
+def chromium(tmp_path):
+    """Headless Debian Chromium through Selenium and /usr/bin/chromedriver (never a downloaded browser)."""
+    binary, driver_binary = _browser_shutil.which("chromium"), _browser_shutil.which("chromedriver")
+    if not (binary and driver_binary):
+        _browser_pytest.fail("headless Chromium is missing: apt-get install -y chromium chromium-driver", pytrace=False)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(driver_binary), options=options)
+    yield browser
+    browser.quit()
+# ---- end browser fixtures ----

@@ -12,10 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "headgraph"
 # -> selection -> centrality -> store -> queries / reports; the orchestrator and the CLI sit on top.
 ALLOWED = {
     "errors": set(),
+    "_version": set(),
     "heads": {"errors"},
     "files": set(),
     "analysis": {"errors", "heads"},
-    "runs": {"errors", "heads", "analysis.artifacts", "__init__"},
+    "runs": {"errors", "heads", "analysis.artifacts", "_version"},
     "loader": {"errors", "heads", "files", "runs", "analysis.selection", "analysis.artifacts"},  # types, table rows
     "queries": {"errors", "heads", "loader"},
     "report": {"errors", "heads", "files", "analysis", "runs", "loader"},
@@ -26,10 +27,12 @@ ALLOWED = {
     "doctor": {"errors", "loader"},
     "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
     "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "workflow"},
+    # the public Python API: what the orchestrator imports, and the orchestrator
+    "api": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report", "workflow"},
     "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
-            "doctor", "neo4j_local", "export", "sweep", "__init__"},
+            "doctor", "neo4j_local", "export", "api", "sweep", "_version"},
     "__main__": {"cli"},
-    "__init__": set(),
+    "__init__": {"_version", "api"},  # api lazily, on first use of headgraph.analyze / load_run / Run
 }
 
 

@@ -8,7 +8,6 @@ pairs.parquet (its top-k selection recomputed here with pandas), never from the 
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -218,29 +217,6 @@ def test_the_guide_queries_find_the_planted_structure_of_the_analyzed_run(analyz
     assert summary == Counter(kind for _, _, kind in graph.edges(data="kind"))
     for name in ("runs", "hubs-graph", "top-edges-graph", "run-graph", "neighbors-graph"):
         assert _run_block(driver, blocks[name], params), f"guide block {name} returned no rows"
-
-
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1600,1000")  # fmt: skip
-
-
-@pytest.fixture
-def chromium(tmp_path):
-    """Headless Debian Chromium through Selenium and /usr/bin/chromedriver (never a downloaded browser)."""
-    binary, driver_binary = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (binary and driver_binary):
-        pytest.fail("headless Chromium is missing: apt-get install -y chromium chromium-driver", pytrace=False)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
-    browser = webdriver.Chrome(service=Service(driver_binary), options=options)
-    yield browser
-    browser.quit()
 
 
 def _frames_by_command(browser) -> dict[str, object]:

@@ -55,13 +55,16 @@ def test_every_composition_pair_has_a_local_effect_and_the_selected_edges_a_loss
     assert (circuit.effect_loss_lo > 0).all()  # and ablating them hurts the next-token loss
 
 
-def test_the_run_record_says_how_effects_were_measured(analyzed):
-    _, out, _ = analyzed
+def test_the_run_record_and_the_summary_say_how_effects_were_measured(analyzed):
+    _, out, summary = analyzed
+    strongest = {e["target_type"]: e for e in summary["causal"]["strongest"]}
+    assert (strongest["K"]["source"], strongest["K"]["target"]) in CIRCUIT and strongest["K"]["effect_loss"] > 0
     causal = json.loads((out / "run.json").read_text())["causal"]
     assert causal["inputs"] == {"ioi": 16, "repeated_tokens": 16} and causal["source"] == "generated"
     assert causal["ablation"] == "resample" and causal["types"] == ["OQ", "OK", "OV"]
     assert "total-variation" in causal["definitions"]["local_QK"]
     assert set(causal["timings_s"]) == {"local", "loss"}
+    assert causal["loss_inputs_per_set"] == {"ioi": 16, "repeated_tokens": 16} and causal["loss_edges_per_type"] == 50
 
 
 @pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])

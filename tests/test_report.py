@@ -114,7 +114,7 @@ def test_html_is_self_contained_with_the_figures_embedded(rendered):
     assert len(sources) == len(FIGURES)
     embedded = {base64.b64decode(s.split(",", 1)[1]) for s in sources if s.startswith("data:image/png;base64,")}
     assert embedded == {rendered["paths"][f"{name}.png"].read_bytes() for name in FIGURES}
-    assert "<link" not in page and "<script" not in page and "href=" not in page
+    assert "<link" not in page and "href=" not in page  # scripts: the interactive graph, tests/test_view.py
     assert "<table>" in page and "L0H2 → L2H1" in page
 
 

@@ -237,9 +237,17 @@ class _Net:
     gram: torch.Tensor  # W_O W_O^T [L, H, e, e]: ||z W_O||^2 = z G z^T
 
     def norm(self, layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
-        """The model's own LayerNorm ln{which} of `layer` applied to x (forward, not __call__: the block's
-        capture hooks on ln1 would hold on to x)."""
-        return getattr(self.bridge.blocks[layer], f"ln{which}").forward(x)
+        """The model's own LayerNorm ln{which} of `layer` applied to x: where the bridge runs the wrapped
+        torch LayerNorm (observed without hooks, its numerics exactly), that module's layer_norm directly, which
+        spares the bridge's hook-point statistics; else the bridge's forward (not __call__: the block's capture
+        hooks on ln1 would hold on to x)."""
+        bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
+        wrapped = bridge_norm.original_component
+        native = bridge_norm.use_native_layernorm_autograd or getattr(bridge_norm.config, "layer_norm_folding", False)
+        if native and type(wrapped) is torch.nn.LayerNorm and x.dtype in (torch.float32, torch.float64):
+            return torch.nn.functional.layer_norm(x, wrapped.normalized_shape, wrapped.weight, wrapped.bias,
+                                                  wrapped.eps)
+        return bridge_norm.forward(x)
 
 
 def _network(model, probe: TokenInputs) -> _Net:
@@ -704,6 +712,7 @@ class CausalStage:
                               batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
                   "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs) for s in self.inputs} if o.loss else {},
                   "definitions": DEFINITIONS,
                   "timings_s": {"local": round(time.perf_counter() - start, 4)}}
         return with_effects(pairs, local), record
@@ -711,12 +720,14 @@ class CausalStage:
     def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
              ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
         """(pairs and edges with effect_loss / _lo / _hi, seconds taken) for the edges that have a local
-        effect, at most `loss_edges` per type, largest local effect first."""
+        effect, at most `loss_edges` per type, largest local effect first, on the first `loss_inputs` inputs of
+        each set."""
         start = time.perf_counter()
         o = self.options
         chosen = edges[edges["effect"].notna()].sort_values("effect", ascending=False, kind="stable")
         if o.loss_edges is not None:
             chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
-        loss = loss_effects(self.model, self.inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
+        inputs = tuple(s.batch(0, min(len(s), o.loss_inputs)) for s in self.inputs)
+        loss = loss_effects(self.model, inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
                             batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         return with_effects(pairs, loss), with_effects(edges, loss), round(time.perf_counter() - start, 4)

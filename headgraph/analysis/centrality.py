@@ -112,7 +112,7 @@ def _top_edges(edges: pd.DataFrame, head: str, per_type: int) -> dict[str, dict[
 def hub_report(centrality: pd.DataFrame, edges: pd.DataFrame, top: int = 10, per_type: int = 3) -> dict:
     """The top heads by degree, which measures agree, and each hub's strongest in/out edges per type.
 
-    Returns plain data: `hubs` (ranked by degree, ties by weighted degree then name; each with its measures,
+    Returns plain data: `top`, `hubs` (ranked by degree, ties by weighted degree then name; each with its measures,
     `rank_by` = the head's rank under every measure, `top_in` = the measures whose top-`top` it is in, and
     `edges` = its top in/out edges per type), `leaders` (the first head under each measure), `consensus`
     (heads in the top `top` of every measure) and `spearman` (rank correlation between measures)."""
@@ -139,6 +139,7 @@ def hub_report(centrality: pd.DataFrame, edges: pd.DataFrame, top: int = 10, per
     )
     return {
         "measures": list(MEASURES),
+        "top": top,
         "hubs": hubs,
         "leaders": {m: tops[m][0] if tops[m] else None for m in MEASURES},
         "consensus": [h for h in tops["degree"] if all(h in tops[m] for m in MEASURES)],

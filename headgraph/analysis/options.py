@@ -14,6 +14,14 @@ DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 CORRECTIONS = ("none", "bh", "bonferroni")
+STABILITY_VARIANTS = {
+    "float64": "subspaces, PK, reference and null in float64 instead of float32 (roles and effects stay float32)",
+    "rank_tol_x10": "rank tolerance x10 (more singular directions dropped)",
+    "rank_tol_div10": "rank tolerance / 10",
+    "null_seed": "another seed of the isotropic reference and the model-matched null",
+    "inputs": "another draw of the role-test and causal inputs",
+    "cuda": "computed on CUDA instead of the CPU",
+}
 ABLATIONS = ("resample", "mean")
 DEFAULT_N_BOOT = 1000  # bootstrap samples of the causal effects' intervals
 
@@ -33,6 +41,7 @@ class PKOptions:
     bin_width: float = DEFAULT_BIN_WIDTH
     kl_eps: float = DEFAULT_KL_EPS
     formulation: str = "auto"
+    rank_tolerance: float = 1.0  # multiplier of the numerical-rank threshold max(d, k) * eps * sigma_max
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,9 @@ class RoleOptions:
 class CausalOptions:
     """The causal stage's settings (headgraph.analysis.causal), defaults declared once: direct-path effects of
     every OQ/OK/OV pair on `n_inputs` generated inputs per set (or the texts of `inputs_file`, one a line), and
-    the downstream (loss) effect of the selected edges when `loss` (of at most `loss_edges` per type: one forward
-pass through the rest of the model per edge and input, where a local effect costs a fraction of one)."""
+    the downstream (loss) effect of the selected edges when `loss`, on the first `loss_inputs` inputs of each set,
+of at most `loss_edges` per type: it costs a forward pass through the model per edge and input, where a local
+effect costs a fraction of one."""
 
     n_inputs: int = 32  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
     inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
@@ -69,12 +79,15 @@ pass through the rest of the model per edge and input, where a local effect cost
     max_memory: int = 1024**3  # working bytes of one batched patching step
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
+    loss_inputs: int = 16  # the first N inputs of each set: one forward pass per edge and input
 
     def __post_init__(self):
         if self.n_inputs < 2:
             raise UsageError(f"causal effects need at least 2 inputs per input set, got {self.n_inputs}")
         if self.ablation not in ABLATIONS:
             raise UsageError(f"unknown ablation {self.ablation!r}: use one of {', '.join(ABLATIONS)}")
+        if self.loss_inputs < 2:
+            raise UsageError(f"loss effects need at least 2 inputs per set, got loss_inputs={self.loss_inputs}")
         if self.loss_edges is not None and self.loss_edges < 1:
             raise UsageError(f"loss_edges must be at least 1, or None for every selected edge (got {self.loss_edges})")
         if self.n_boot < 1 or self.batch_size < 1:

@@ -8,6 +8,7 @@ PK rank among all computed pairs of its type (1 = strongest). The policy is reco
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pandas as pd
@@ -36,11 +37,42 @@ class SelectionPolicy:
             raise UsageError(f"--max-q must lie in (0, 1] (got {self.max_q})")
 
     def describe(self) -> str:
-        rules = [f"q_model <= {self.max_q:g}"] if self.max_q is not None else []
-        rules += [f"z_iso >= {self.min_z:g}"] if self.min_z is not None else []
-        rules += [f"effect >= {self.min_effect:g}"] if self.min_effect is not None else []
-        rules += [f"top {self.top_k} per type by PK"] if self.top_k is not None else ["all passing pairs"]
+        """The policy in words, as run.json records it; `parse` reads it back exactly (a threshold is written
+        with 6 significant digits when they hold its value, in full otherwise).
+
+        >>> SelectionPolicy(top_k=5, max_q=0.05).describe()
+        'q_model <= 0.05, then top 5 per type by PK'
+        >>> SelectionPolicy.parse(SelectionPolicy(None, min_z=3, min_effect=0.123456789).describe())
+        SelectionPolicy(top_k=None, max_q=None, min_z=3.0, min_effect=0.123456789)
+        """
+        rules = [f"{name} {op} {_number(getattr(self, field))}" for field, (name, op) in _RULES.items()
+                 if getattr(self, field) is not None]
+        rules += [f"top {self.top_k} per type by PK"] if self.top_k is not None else [_ALL]
         return ", then ".join(rules)
+
+    @classmethod
+    def parse(cls, text: str) -> SelectionPolicy:
+        """The policy `describe` wrote as `text`; other text raises UsageError naming it."""
+        *thresholds, last = text.split(", then ")
+        values = {}
+        for rule in thresholds:
+            found = [field for field, (name, op) in _RULES.items() if rule.startswith(f"{name} {op} ")]
+            if not found:
+                raise UsageError(f"selection {text!r} is not one headgraph writes: no rule {rule!r}")
+            values[found[0]] = float(rule.split()[-1])
+        top = re.fullmatch(r"top (\d+) per type by PK", last)
+        if top is None and last != _ALL:
+            raise UsageError(f"selection {text!r} is not one headgraph writes: it ends in {last!r}")
+        return cls(top_k=int(top[1]) if top else None, **values)
+
+
+_RULES = {"max_q": ("q_model", "<="), "min_z": ("z_iso", ">="), "min_effect": ("effect", ">=")}
+_ALL = "all passing pairs"
+
+
+def _number(value: float) -> str:
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 def rank_pairs(pairs: pd.DataFrame) -> pd.DataFrame:

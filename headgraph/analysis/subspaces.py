@@ -81,12 +81,13 @@ def _svd_by_gram(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return left, singular_values
 
 
-def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dtype) -> SubspaceBases:
+def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dtype,
+                      tolerance_scale: float = 1.0) -> SubspaceBases:
     """Thin SVD of [n_layers, n_heads, d, k] matrices; columns beyond the numerical rank (threshold
-    max(d, k) * eps(dtype) * sigma_max) are zeroed. float32 runs the SVD through a float64 Gram
+    tolerance_scale * max(d, k) * eps(dtype) * sigma_max) are zeroed. float32 runs the SVD through a float64 Gram
     eigendecomposition; float64 through LAPACK's SVD (the Gram route cannot resolve float64's threshold)."""
     decompose = _svd if dtype == torch.float64 else _svd_by_gram
-    tolerance = rank_tolerance(tuple(matrices.shape[-2:]), dtype)
+    tolerance = tolerance_scale * rank_tolerance(tuple(matrices.shape[-2:]), dtype)
     bases = torch.empty(matrices.shape, dtype=dtype, device=matrices.device)
     singular_values = torch.empty(*matrices.shape[:-2], min(matrices.shape[-2:]), dtype=dtype, device=matrices.device)
     for layer in range(matrices.shape[0]):  # one layer at a time bounds the float64 temporaries
@@ -99,10 +100,10 @@ def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dty
 
 
 def model_subspaces(weights: dict[str, torch.Tensor], types: set[str], dtype: torch.dtype,
-                    device: torch.device) -> dict[str, SubspaceBases]:
+                    device: torch.device, tolerance_scale: float = 1.0) -> dict[str, SubspaceBases]:
     """Bases for each weight type in `types`, from TL-layout weights {"Q": W_Q, "K": W_K, "V": W_V, "O": W_O}."""
     return {
-        t: orthonormal_bases(head_matrices(weights[t].to(device), t), t, dtype)
+        t: orthonormal_bases(head_matrices(weights[t].to(device), t), t, dtype, tolerance_scale)
         for t in WEIGHT_TYPES
         if t in types
     }

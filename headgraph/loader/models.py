@@ -285,28 +285,128 @@ def apply_processing(bridge, processing: str) -> list[str]:
     return sorted({str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)})
 
 
-def load_model(name_or_dir, processing: str = "tl", device: str | None = None) -> LoadedModel:
-    """Load a model by folder, packaged offline name or hub name, with TransformerLens ("tl") or raw weights."""
+def _is_bridge(model) -> bool:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return isinstance(model, TransformerBridge)
+
+
+def _is_hf_model(model) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def describe_model(model) -> tuple[str, str]:
+    """(display name, source) of anything `load_model` takes, without loading weights: a name or folder is
+    resolved (an unknown one raises ModelUnavailable here); an in-memory model is named after the folder or hub
+    name it was loaded from (`name_or_path`), else after its class."""
+    if _is_bridge(model):
+        origin = str(model.cfg.model_name or "")
+        return Path(origin).name or type(model.original_model).__name__, origin or "TransformerBridge in memory"
+    if _is_hf_model(model):
+        origin = str(model.name_or_path or "")
+        return Path(origin).name or type(model).__name__, origin or f"{type(model).__name__} in memory"
+    name, folder = resolve_model(model)
+    return name, str(folder)
+
+
+def _bridgeable_copy(model, device: str):
+    """A float32 copy on `device` of a user's PreTrainedModel, as the class TransformerBridge expects for its
+    architecture. A base model (e.g. `AutoModel`'s GPT2Model) is placed inside that class, as loading its folder
+    would: the task head is tied to the embeddings where the config ties them and freshly initialised otherwise,
+    which an encoder never reads (roles and effects use attention and hidden states) but a decoder's loss
+    effects would, so an untied decoder base model is refused."""
+    import copy
+
+    from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
+    from transformer_lens.model_bridge.sources.transformers.helpers import get_hf_model_class_for_architecture
+    from transformers import AutoModelForCausalLM
+
+    architecture = determine_architecture_from_hf_config(model.config)
+    own = copy.deepcopy(model).to(device=device, dtype=torch.float32).eval()
+    if type(model).__name__ == architecture:
+        return own
+    model_class = get_hf_model_class_for_architecture(architecture)
+    full = model_class.from_config(own.config)
+    if type(getattr(full, full.base_model_prefix, None)) is not type(model):
+        raise UsageError(f"TransformerLens bridges {architecture}, not {type(model).__name__}: pass the model "
+                         f"loaded as {architecture} (e.g. {model_class.__name__}.from_pretrained) or its folder")
+    tied = bool(getattr(own.config, "tie_word_embeddings", False))
+    if model_class is AutoModelForCausalLM and not tied:
+        raise UsageError(f"{type(model).__name__} has no LM head, and {architecture}'s is not tied to the "
+                         f"embeddings: pass the model loaded with AutoModelForCausalLM, or its folder")
+    setattr(full, full.base_model_prefix, own)
+    full.tie_weights()
+    return full.to(device=device, dtype=torch.float32).eval()
+
+
+def _bridge(model, device: str, tokenizer, name: str):
+    """A TransformerBridge of our own over `model` (a folder's name or a PreTrainedModel): the caller's objects
+    are never changed (eager attention and weight processing act on a copy)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    if _is_hf_model(model):
+        hf_model, origin = _bridgeable_copy(model, device), str(model.name_or_path or "")
+    else:
+        hf_model, origin = load_hf_model(Path(model), device), str(model)
+    try:
+        return TransformerBridge.boot_transformers(origin, hf_model=hf_model, device=device, tokenizer=tokenizer)
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {first_line(e)}") from None
+    except OSError as e:  # no tokenizer beside an in-memory model
+        raise ModelUnavailable(f"no tokenizer found for '{name}' ({first_line(e)}): pass tokenizer=") from None
+
+
+def _processed_bridge(bridge, processing: str):
+    """(a bridge with `processing`'s weights, its processing warnings): the user's own when it already has
+    them, else a processed copy; TransformerLens' processing cannot be undone, so "raw" of a processed bridge
+    is refused."""
+    import copy
+
+    if bridge.compatibility_mode:
+        if processing == "raw":
+            raise UsageError("this TransformerBridge's weights are processed (enable_compatibility_mode): analyse it "
+                             "with processing='tl', or pass a bridge without it for raw weights")
+        return bridge, []
+    if processing == "raw":
+        return bridge, []
+    own = copy.deepcopy(bridge)
+    return own, apply_processing(own, processing)
+
+
+def load_model(model, processing: str = "tl", device: str | None = None, tokenizer=None) -> LoadedModel:
+    """Load a model by folder, packaged offline name or hub name, or take one already loaded, with
+    TransformerLens ("tl") or raw weights.
+
+    `model` may also be a `transformers.PreTrainedModel` (its tokenizer is `tokenizer`, else the one saved with
+    it at `name_or_path`) or a `TransformerBridge`. An object passed in is never changed: a PreTrainedModel is
+    copied (one more float32 copy of its weights on `device`), a bridge is used as it is when it already has
+    the asked-for weights and copied to be processed otherwise; a bridge stays on its own device.
+
+    >>> from headgraph.loader.models import PACKAGED_MODELS_DIR
+    >>> from transformers import AutoModelForCausalLM
+    >>> hf = AutoModelForCausalLM.from_pretrained(PACKAGED_MODELS_DIR / "induction-2l")
+    >>> bool((load_model(hf, device="cpu").W_K == load_model("induction-2l", device="cpu").W_K).all())
+    True
+    """
     if processing not in PROCESSINGS:
         raise UsageError(f"processing must be one of {', '.join(PROCESSINGS)}, got '{processing}'")
     device = device or default_device()
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device '{device}' is not available here (no CUDA); use cpu")
-    name, folder = resolve_model(name_or_dir)
+    name, source = describe_model(model)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with quiet():
-        from transformer_lens.model_bridge import TransformerBridge
-
-        hf_model = load_hf_model(folder, device)
-        try:
-            bridge = TransformerBridge.boot_transformers(str(folder), hf_model=hf_model, device=device)
-        except (ValueError, NotImplementedError, KeyError) as e:
-            raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {first_line(e)}") from None
-        notes = apply_processing(bridge, processing)
+        if _is_bridge(model):
+            bridge, notes = _processed_bridge(model, processing)
+        else:
+            bridge = _bridge(model if _is_hf_model(model) else source, device, tokenizer, name)
+            notes = apply_processing(bridge, processing)
     cfg = model_dims(bridge) | {"processing_warnings": notes}
     weights = head_weights(bridge)
     check_head_weights(weights, cfg)
     return LoadedModel(
-        name=name, source=str(folder), cfg=cfg, processing=processing, bridge=bridge, tokenizer=bridge.tokenizer,
+        name=name, source=source, cfg=cfg, processing=processing, bridge=bridge, tokenizer=bridge.tokenizer,
         **weights,
     )

@@ -5,11 +5,13 @@ types (weight pairs such as "OK") and `CLASS_COLORS` for known head classes and 
 Browser style uses the same values.
 """
 
+import sys
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules:  # a Jupyter kernel keeps its own (inline) backend, so figures show there
+    matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -248,7 +250,7 @@ def effect_scatter(pairs, model, threshold, causal):
     return fig
 
 
-def _head_classes(classes):
+def head_classes(classes):
     """{head: first class name} from {class name: [heads]}."""
     owner = {}
     for name, heads in (classes or {}).items():
@@ -257,9 +259,9 @@ def _head_classes(classes):
     return owner
 
 
-def _endpoint_x(names, index, n_heads, n_kv_heads):
-    """Column of an edge endpoint: the head index, or for a native KV head L{l}KV{g} of a grouped-query
-    model the centre of its query-head group."""
+def head_columns(names, index, n_heads, n_kv_heads):
+    """The grid column of each head (names, index: Series): its index, or for a native KV head L{l}KV{g} of a
+    grouped-query model the centre of its query-head group (the graph figure and the interactive view)."""
     group = n_heads // (n_kv_heads or n_heads)
     return np.where(names.str.contains("KV"), index * group + (group - 1) / 2, index).astype(float)
 
@@ -276,13 +278,13 @@ def topk_graph(edges, n_layers, n_heads, model, classes=None, selection="top-k p
     if edges.empty:
         return None
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * n_heads + 3.5), max(4.0, 0.6 * n_layers + 2.0)))
-    owner = _head_classes(classes)
+    owner = head_classes(classes)
     edge_types = pd.Series(edges["source_type"] + edges["target_type"], index=edges.index)
     max_pk = edges.groupby(edge_types)["pk"].transform("max")
     alpha = (edges["pk"] / max_pk).clip(0, 1).fillna(0)
     type_order = [tp for tp in TYPE_PAIRS if tp in set(edge_types)]
-    source_x = _endpoint_x(edges["source"], edges["source_head"], n_heads, n_kv_heads)
-    target_x = _endpoint_x(edges["target"], edges["target_head"], n_heads, n_kv_heads)
+    source_x = head_columns(edges["source"], edges["source_head"], n_heads, n_kv_heads)
+    target_x = head_columns(edges["target"], edges["target_head"], n_heads, n_kv_heads)
     for i, (idx, row) in enumerate(edges.iterrows()):
         tp = edge_types[idx]
         rad = 0.18 + 0.1 * type_order.index(tp)

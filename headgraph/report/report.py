@@ -18,11 +18,14 @@ from headgraph.analysis.artifacts import role_names, roles_of
 from headgraph.analysis.classes import load_classes
 from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
                                            evaluate_pairs)
+from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
-from headgraph.runs import Run, RunRecord, load_run
+from headgraph.report.interactive import MAX_EDGES, interactive_graph
+from headgraph.analysis.stability import role_flips, summary_rows
+from headgraph.runs import Run, RunRecord, load_run, read_stability
 
 DEFAULT_EVAL_K = 20
 
@@ -72,7 +75,7 @@ def hub_table(report, heads):
                      "in-edges (strongest per type)": _edge_summary(hub["edges"]["in"]),
                      "out-edges (strongest per type)": _edge_summary(hub["edges"]["out"]),
                      "significant roles": ", ".join(roles.get(hub["head"], [])) or "—",
-                     "top-10 under": f"{len(hub['top_in'])}/{len(report['measures'])} measures"})
+                     f"top-{report['top']} under": f"{len(hub['top_in'])}/{len(report['measures'])} measures"})
     return pd.DataFrame(rows).set_index("head")
 
 
@@ -140,7 +143,8 @@ def _html_inline(text):
 
 
 def to_markdown(blocks):
-    """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths)."""
+    """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths),
+    ("interactive", HTML fragment: only report.html shows it; the markdown says where it is)."""
     out = []
     for block in blocks:
         kind = block[0]
@@ -152,6 +156,9 @@ def to_markdown(blocks):
             out.append(_md_table(block[1]))
         elif kind == "fig":
             out.append(f"![{block[1]}]({block[2]['png'].name})\n\n*{block[1]}* (vector: `{block[2]['svg'].name}`)")
+        elif kind == "interactive":
+            out.append("The interactive graph (hover an edge, click a head, filter by type and PK) is in `report.html`; "
+                       "`headgraph view <run folder>` opens it.")
     return "\n\n".join(out) + "\n"
 
 
@@ -161,9 +168,15 @@ text-align:left}th{background:#f2f2f2}img{max-width:100%}figure{margin:1.5em 0}f
 code{background:#f4f4f4;padding:0 3px}"""
 
 
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+"""The page's Content-Security-Policy: the browser itself refuses to fetch anything (the page is self-contained)."""
+
+
 def to_html(blocks, title):
-    """A self-contained HTML page for report blocks; figures are embedded as base64 PNG."""
-    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    """A self-contained HTML page for report blocks; figures are embedded as base64 PNG, the interactive graph
+    inline, and the page forbids itself any fetch (`_CSP`)."""
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
+           f"<meta http-equiv='Content-Security-Policy' content=\"{_CSP}\"><title>{html.escape(title)}</title>"
            f"<style>{_CSS}</style></head><body>"]
     for block in blocks:
         kind = block[0]
@@ -178,6 +191,8 @@ def to_html(blocks, title):
             caption = html.escape(block[1])
             out.append(f"<figure><img alt='{caption}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{caption}</figcaption></figure>")
+        elif kind == "interactive":
+            out.append(block[1])
     out.append("</body></html>")
     return "\n".join(out)
 
@@ -262,39 +277,82 @@ def class_evaluation(run, classes, top_k):
     return evaluate_pairs(run.pairs, classes, k=top_k, types=types).set_index(["metric", "scope"])
 
 
-FIGURE_COUNT = 7
+FIGURES = ("pk_distributions", "kl_heatmap", "pk_vs_cs", "causal", "topk_graph", "roles", "hubs")
+"""The report's figures (a)–(g), by name; each is written as fig_<name>.png / .svg."""
+FIGURE_COUNT = len(FIGURES)
 
 
-def render_figures(run, edges, centrality, out_dir, classes=None, hub_order=None, selection="selected edges",
-                   advance=lambda: None):
-    """Write figures (a)–(g) that the run's data allows; {name: {"png": path, "svg": path}}.
-
-    advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
-    """
+def figure_builders(run, edges, centrality, classes=None, hub_order=None, selection="selected edges"):
+    """{name in FIGURES: a function that draws it as a matplotlib Figure, or returns None when the run lacks
+    its data (no causal effects, no roles)}."""
     model = run.model
     n_layers, n_heads = run.record.dims.n_layers, run.record.dims.n_heads
     class_sets = dict(classes.classes) if classes is not None else None
     measures = ["pagerank", "hits_hub", "hits_authority", "betweenness", "weighted_degree"]
-    builders = {
-        "fig_pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
-        "fig_kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
-        "fig_pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
-        "fig_causal": lambda: figures.effect_scatter(run.pairs, model, CAUSAL_THRESHOLD,
-                                                     causal_pairs(run.pairs, CAUSAL_THRESHOLD))
+    return {
+        "pk_distributions": lambda: figures.pk_distributions(run.pairs, run.record.reference_by_type, run.record.kl_by_type, model),
+        "kl_heatmap": lambda: figures.kl_heatmap(run.record.kl_by_type, model),
+        "pk_vs_cs": lambda: figures.pk_vs_cs(run.pairs, model),
+        "causal": lambda: figures.effect_scatter(run.pairs, model, CAUSAL_THRESHOLD,
+                                                 causal_pairs(run.pairs, CAUSAL_THRESHOLD))
         if "effect_lo" in run.pairs.columns else None,
-        "fig_topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
-                                                     selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
-        "fig_roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
-        "fig_hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
-                                                     heads=hub_order),
+        "topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
+                                                 selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
+        "roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
+        "hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
+                                                 heads=hub_order),
     }
+
+
+def selection_figures(run, selected, classes=None):
+    """`figure_builders` for a run's SelectedGraph, with the hub order of the report's hub table."""
+    return figure_builders(run, selected.edges, selected.centrality, classes,
+                           hub_order=list(hub_table(selected.hubs, run.heads).index),
+                           selection=selected.policy.describe())
+
+
+def render_figures(builders, out_dir, advance=lambda: None):
+    """Write the figures of `builders` (figure_builders) that the run's data allows; {"fig_<name>": {"png": path,
+    "svg": path}}. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar."""
     paths = {}
     for name, build in builders.items():
         fig = build()
         if fig is not None:
-            paths[name] = figures.save_figure(fig, out_dir, name)
+            paths[f"fig_{name}"] = figures.save_figure(fig, out_dir, f"fig_{name}")
         advance()
     return paths
+
+
+def _interactive_blocks(run, selected, classes):
+    """The interactive graph of the selected edges (headgraph.report.interactive), or why it is left out."""
+    n_edges = len(selected.edges)
+    if n_edges == 0:
+        return []
+    if n_edges > MAX_EDGES:
+        return [("p", f"The interactive graph is left out: {n_edges} selected edges are more than it draws "
+                      f"({MAX_EDGES}); narrow the selection with `--top-k` or `--max-q`.")]
+    dims = run.record.dims
+    fragment = interactive_graph(head_network(selected), dims.n_layers, dims.n_heads, dims.n_kv_heads,
+                                 dict(classes.classes) if classes is not None else None)
+    return [("h", 3, "Interactive graph"), ("interactive", fragment)]
+
+
+def _stability_blocks(run):
+    """"Stability": the run recomputed under each variant (stability.json, when `headgraph stability` ran)."""
+    report = read_stability(run.path)
+    if report is None:
+        return []
+    skipped = [f"{name} ({entry['skipped']})" for name, entry in report["variants"].items() if "skipped" in entry]
+    flips = role_flips(report)
+    text = ("The same analysis recomputed with one setting changed at a time; `pk_spearman` / `effect_spearman`: "
+            "rank correlation with this run over the same pairs, `jaccard`: overlap of the selected edges, "
+            "`significance_flips`: q_model <= 0.05 decisions that change. A value of 1 and no flips say the graph "
+            "does not depend on that setting, not that it is right.")
+    if flips:
+        text += " Role decisions that flip: " + ", ".join(f"{name} {n}" for name, n in flips.items()) + "."
+    if skipped:
+        text += " Not run: " + ", ".join(skipped) + "."
+    return [("h", 2, "Stability"), ("p", text), ("table", summary_rows(report))]
 
 
 def _causal_blocks(run, figs):
@@ -332,8 +390,9 @@ def _causal_blocks(run, figs):
     return blocks
 
 
-def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None):
-    """The report as blocks (see `to_markdown`)."""
+def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None):
+    """The report as blocks (see `to_markdown`); selected: the SelectedGraph of `edges`, drawn interactively in
+    report.html when given."""
     summary = type_summary(run)
     blocks = [("h", 1, f"headgraph report — {run.model}"),
               ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
@@ -357,6 +416,8 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
                           ("fig_pk_vs_cs", "PK vs Composition Score with top-3 % cut-offs")):
         if name in figs:
             blocks.append(("fig", caption, figs[name]))
+        if name == "fig_topk_graph" and selected is not None:
+            blocks += _interactive_blocks(run, selected, classes)
     blocks += [("h", 2, "Hubs"), *([("p", _hub_text(hubs)), ("table", hubs)] if len(edges)
                                     else [("p", "The selected graph has no edges, so no head is a hub.")])]
     if "fig_hubs" in figs:
@@ -370,6 +431,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None)
     if "fig_roles" in figs:
         blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
     blocks += _causal_blocks(run, figs)
+    blocks += _stability_blocks(run)
     if evaluation is not None:
         blocks += [("h", 2, "Known head classes"),
                    ("p", f"Class set `{classes.name}` ({classes.source}). `in_class` / `out_of_class` count the "
@@ -392,12 +454,11 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
-    edges, centrality = selected.edges, selected.centrality
+    edges = selected.edges
     hubs = hub_table(selected.hubs, run.heads)
-    figs = render_figures(run, edges, centrality, out_dir, classes, hub_order=list(hubs.index),
-                          selection=policy.describe(), advance=advance)
+    figs = render_figures(selection_figures(run, selected, classes), out_dir, advance=advance)
     evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
-    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes)
+    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
     paths["report.md"].write_text(to_markdown(blocks))
     paths["report.html"].write_text(to_html(blocks, f"headgraph report — {run.model}"))
@@ -405,6 +466,15 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     for name, files in figs.items():
         paths[f"{name}.png"], paths[f"{name}.svg"] = files["png"], files["svg"]
     return paths
+
+
+def report_page(run_dir):
+    """The run folder's report.html, rendered first (default selection and classes) when the folder has none;
+    (path, whether it was rendered now). An existing page is shown as it is: `headgraph report` re-renders it."""
+    path = Path(run_dir) / "report.html"
+    if path.is_file():
+        return path, False
+    return render_report(run_dir)["report.html"], True
 
 
 def resolve_run_dir(run, store):

@@ -58,10 +58,21 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
         "kl": {tp: kl for tp, kl in run.kl_by_type.items() if tp in run.types},
         "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
                   "roles": roles.get(h["head"], [])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
+        "causal": _strongest_effects(outcome.result.pairs, run.causal),
         "folder": str(outcome.folder),
         "store": outcome.store,
         "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},
     }
+
+
+def _strongest_effects(pairs, causal: dict | None) -> dict:
+    """The causal stage in brief: why it was skipped, or the pair of each type with the largest local effect."""
+    if causal is None or "skipped" in causal:
+        return {"skipped": "not run (--no-causal)" if causal is None else causal["skipped"]}
+    with_effect = pairs[pairs["effect"].notna()]
+    top = with_effect.loc[with_effect.groupby(with_effect["source_type"] + with_effect["target_type"])["effect"].idxmax()]
+    columns = ["source", "target", "source_type", "target_type", "effect", "effect_lo", "effect_hi", "pk"]
+    return {"inputs": causal["inputs"], "strongest": records(top[[c for c in columns + ["effect_loss"] if c in top]])}
 
 
 def print_summary(data: dict, console: Console) -> None:
@@ -91,6 +102,21 @@ def print_summary(data: dict, console: Console) -> None:
     for hub in data["hubs"]:
         hubs.add_row(hub["head"], str(hub["degree"]), f"{hub['pagerank']:.3f}", ", ".join(hub["roles"]) or "-")
     console.print(hubs)
+    causal = data["causal"]
+    if "skipped" in causal:
+        console.print(f"causal effects: {causal['skipped']}")
+    else:
+        table = Table(title="largest local causal effect per type",
+                      caption=f"direct-path patching on {', '.join(f'{n} {k}' for k, n in causal['inputs'].items())}"
+                              " inputs; Q/K: attention moved, V: relative output change")
+        for column in ("edge", "effect [95% CI]", "PK", "loss effect"):
+            table.add_column(column, justify="left" if column == "edge" else "right")
+        for e in causal["strongest"]:
+            loss = e.get("effect_loss")
+            table.add_row(f"{e['source']} →{e['target_type']} {e['target']}",
+                          f"{e['effect']:.3f} [{e['effect_lo']:.3f}, {e['effect_hi']:.3f}]", f"{e['pk']:.2f}",
+                          "-" if loss is None else f"{loss:+.3f}")
+        console.print(table)
     console.print(f"artifacts: {data['folder']}")
     console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
     for name, path in data["report"].items():
@@ -169,5 +195,26 @@ def print_evaluation(data: dict, console: Console) -> None:
         console.print(table)
 
 
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_stability(report: dict, console: Console) -> None:
+    """A stability report (headgraph.workflow.run_stability) as tables: per variant and type, then roles."""
+    from headgraph.analysis.stability import role_flips, summary_rows
+
+    table = Table(title=f"stability of run {report['run']} ({report['policy']})", box=box.SIMPLE_HEAD,
+                  caption="rho: Spearman between the run and the variant over the same pairs; Jaccard: of the "
+                          "selected edges; flips: q_model <= 0.05 decisions that change")
+    for col in ("variant", "type", "rho PK", "rho effect", "Jaccard", "flips"):
+        table.add_column(col, justify="left" if col in ("variant", "type") else "right", no_wrap=True)
+    for row in records(summary_rows(report)):
+        table.add_row(row["variant"], row["type"], _num(row["pk_spearman"], 4), _num(row["effect_spearman"], 4),
+                      _num(row["jaccard"]), "-" if row["significance_flips"] is None else str(row["significance_flips"]))
+    console.print(table)
+    for name, entry in report["variants"].items():
+        if "skipped" in entry:
+            console.print(f"{name}: skipped ({entry['skipped']})")
+    flips = role_flips(report)
+    if flips:
+        console.print("role decisions that flip: " + ", ".join(f"{name} {n}" for name, n in flips.items()))
