@@ -14,9 +14,11 @@ from headgraph.heads import parse_types
 from headgraph.errors import HeadgraphError
 from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import DEFAULT_DB
+from headgraph.sweep import SweepOptions
 from headgraph.workflow import AnalyzeOptions
 
 ANALYZE = AnalyzeOptions()  # the defaults every option below shows
+SWEEP = SweepOptions()
 PK, ROLES, CAUSAL = ANALYZE.pk, ANALYZE.roles, ANALYZE.causal
 
 
@@ -87,49 +89,71 @@ CLASSES_OPTION = click.option(
     help="Known head classes to colour and count: ioi, pk-paper or a JSON file (default: pk-paper for gpt2).")
 
 
+def analyze_options(command: Callable) -> Callable:
+    """The options of one analysis (everything of `headgraph analyze` but the model and --json), passed to the
+    command as one `options: AnalyzeOptions`; shared by analyze and sweep."""
+
+    @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+                  help="Run folder for run.json, pairs/heads.parquet, figures and report (default: runs/<run id>; "
+                       "sweep: the folder of its checkpoints' run folders, default runs/<sweep id>).")
+    @click.option("--types", default=",".join(PK.types).lower(), show_default=True,
+                  help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
+    @click.option("--processing", type=click.Choice(["tl", "raw"]), default=ANALYZE.processing, show_default=True,
+                  help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
+    @DEVICE_OPTION
+    @click.option("--dtype", type=click.Choice(["float32", "float64"]), default=PK.dtype, show_default=True)
+    @click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
+    @click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
+                  help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
+    @click.option("--full-matrix", is_flag=True,
+                  help="Also compute same-layer and backward pairs (default: earlier -> strictly later layer).")
+    @click.option("--null-heads", default=PK.null_heads, show_default=True, type=click.IntRange(min=2),
+                  help="Random heads per type of the model-matched null (its n^2 pairs give p_model).")
+    @click.option("--reference-samples", default=PK.reference_samples, show_default=True, type=click.IntRange(min=100),
+                  help="Samples of the isotropic reference distribution (for the KL matrix).")
+    @click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
+    @click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
+                  help="Generated inputs per input set of the role tests.")
+    @click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
+                  help="Multiple-testing correction of the role tests across heads.")
+    @click.option("--causal/--no-causal", default=True, show_default=True,
+                  help="Direct-path patching: local effect of every OQ/OK/OV pair, loss effect of the selected edges.")
+    @click.option("--causal-n", default=CAUSAL.n_inputs, show_default=True, type=click.IntRange(min=2),
+                  help="Generated inputs per input set of the causal effects.")
+    @click.option("--causal-inputs", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+                  help="Patch on these texts (one a line) instead of the generated inputs.")
+    @click.option("--causal-loss-edges", default=CAUSAL.loss_edges, show_default=True, type=click.IntRange(min=0),
+                  help="Loss effects for at most N selected edges per type, largest local effect first (0: none).")
+    @CLASSES_OPTION
+    @selection_options
+    @click.option("--stability", is_flag=True,
+                  help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
+    @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
+    @click.option("--no-report", is_flag=True, help="Skip the figures and report.")
+    @store_options
+    @functools.wraps(command)
+    def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
+                reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
+                classes_name, policy, stability, no_store, no_report, store, **kwargs):
+        pk = PKOptions(types=parse_types(types), full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
+                       max_memory=max_memory, reference_samples=reference_samples, null_heads=null_heads)
+        options = AnalyzeOptions(
+            out_dir=out_dir, processing=processing, pk=pk,
+            roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
+            causal=CausalOptions(n_inputs=causal_n, inputs_file=causal_inputs, loss=causal_loss_edges > 0,
+                                 loss_edges=causal_loss_edges or None) if causal else None,
+            policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report,
+            stability=stability)
+        return command(*args, options=options, **kwargs)
+
+    return wrapper
+
+
 @cli.command("analyze")
 @click.argument("model")
-@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="Run folder for run.json, pairs/heads.parquet, figures and report (default: runs/<run id>).")
-@click.option("--types", default=",".join(PK.types).lower(), show_default=True,
-              help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
-@click.option("--processing", type=click.Choice(["tl", "raw"]), default=ANALYZE.processing, show_default=True,
-              help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
-@DEVICE_OPTION
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default=PK.dtype, show_default=True)
-@click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
-@click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
-              help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
-@click.option("--full-matrix", is_flag=True,
-              help="Also compute same-layer and backward pairs (default: earlier -> strictly later layer).")
-@click.option("--null-heads", default=PK.null_heads, show_default=True, type=click.IntRange(min=2),
-              help="Random heads per type of the model-matched null (its n^2 pairs give p_model).")
-@click.option("--reference-samples", default=PK.reference_samples, show_default=True, type=click.IntRange(min=100),
-              help="Samples of the isotropic reference distribution (for the KL matrix).")
-@click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
-@click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
-              help="Generated inputs per input set of the role tests.")
-@click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
-              help="Multiple-testing correction of the role tests across heads.")
-@click.option("--causal/--no-causal", default=True, show_default=True,
-              help="Direct-path patching: local effect of every OQ/OK/OV pair, loss effect of the selected edges.")
-@click.option("--causal-n", default=CAUSAL.n_inputs, show_default=True, type=click.IntRange(min=2),
-              help="Generated inputs per input set of the causal effects.")
-@click.option("--causal-inputs", default=None, metavar="FILE", type=click.Path(dir_okay=False),
-              help="Patch on these texts (one a line) instead of the generated inputs.")
-@click.option("--causal-loss-edges", default=CAUSAL.loss_edges, show_default=True, type=click.IntRange(min=0),
-              help="Loss effects for at most N selected edges per type, largest local effect first (0: none).")
-@CLASSES_OPTION
-@selection_options
-@click.option("--stability", is_flag=True,
-              help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
-@click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
-@click.option("--no-report", is_flag=True, help="Skip the figures and report.")
+@analyze_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@store_options
-def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
-                    reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
-                    classes_name, policy, stability, no_store, no_report, as_json, store):
+def analyze_command(model, options, as_json):
     """Whole pipeline on MODEL (hub name, local folder, or all-MiniLM-L6-v2 / induction-2l offline): PK with
     references and significance, Composition Score, roles, causal effects, graph selection and centrality,
     store, report."""
@@ -140,15 +164,6 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
     from headgraph.report.summary import print_summary, summary_data
     from headgraph.workflow import run_analyze
 
-    pk = PKOptions(types=parse_types(types), full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
-                   max_memory=max_memory, reference_samples=reference_samples, null_heads=null_heads)
-    options = AnalyzeOptions(
-        out_dir=out_dir, processing=processing, pk=pk,
-        roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
-        causal=CausalOptions(n_inputs=causal_n, inputs_file=causal_inputs, loss=causal_loss_edges > 0,
-                             loss_edges=causal_loss_edges or None) if causal else None,
-        policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report,
-        stability=stability)
     console = Console(stderr=True)
     # progress bars only on a terminal: in a pipe or log they are frames of noise around the one-line error
     outcome = run_analyze(model, options, console=console, progress=console.is_terminal)
@@ -157,6 +172,45 @@ def analyze_command(model, out_dir, types, processing, device, dtype, seed, max_
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         print_summary(data, Console())
+
+
+@cli.command("sweep")
+@click.argument("models", nargs=-1)
+@click.option("--checkpoints", "checkpoints_dir", default=None, metavar="DIR",
+              help="Sweep the model folders in DIR, ordered by the step that ends their names (...-step3000).")
+@click.option("--final-step", type=click.IntRange(min=0), default=None, metavar="N",
+              help="The training step of the one checkpoint whose name has none (the final model).")
+@click.option("--sweep-id", default=None, metavar="ID",
+              help="The sweep's id (default: DIR's name and a digest of the analysis options; the same command "
+                   "resumes the same sweep).")
+@click.option("--workers", default=SWEEP.workers, show_default=True, type=click.IntRange(min=1),
+              help="Worker processes analysing checkpoints at once (the store is written by this process only).")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run each checkpoint as a task on this Ray cluster (auto, HOST:PORT, or local for a new one); "
+                   "needs headgraph[ray].")
+@analyze_options
+def sweep_command(models, checkpoints_dir, final_step, sweep_id, workers, ray_address, options):
+    """One analyze per checkpoint (--checkpoints DIR) or per MODEL, all in one store, each run tagged with the
+    sweep id and its step; checkpoints already stored for the sweep are skipped (rerun to resume). Query it
+    with edge-history, role-history and emergence."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from headgraph.errors import UsageError
+    from headgraph.sweep import SweepOptions, checkpoints_in, checkpoints_of, run_sweep
+
+    if checkpoints_dir is not None and models:
+        raise UsageError("give either --checkpoints DIR or MODEL arguments, not both")
+    checkpoints = checkpoints_in(checkpoints_dir, final_step) if checkpoints_dir else checkpoints_of(models, final_step)
+    label = Path(checkpoints_dir).resolve().name if checkpoints_dir else "sweep"
+    console = Console(stderr=True)
+    outcome = run_sweep(checkpoints, SweepOptions(options, sweep_id, workers, ray_address), label, console=console,
+                        progress=console.is_terminal)
+    for run in outcome.runs:
+        click.echo(f"{run.checkpoint.step if run.checkpoint.step is not None else '-'}\t{run.checkpoint.name}\t"
+                   f"{run.run_id}\t{'skipped (stored before)' if run.skipped else run.folder}")
+    click.echo(f"sweep {outcome.sweep_id}: {len(outcome.runs)} runs in {outcome.store}")
 
 
 FORMAT_OPTION = click.option(

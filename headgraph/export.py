@@ -19,7 +19,7 @@ edges and attributes:
   a complete `Run` -[:OF_MODEL]-> it, `Head:Layer<l>` nodes keyed `<run id>/L4H7` with `name`, `head` (the index),
   `run_id` and `model`, and one relationship per edge whose type is its kind, carrying `run_id`, `source` and
   `target`; so `headgraph query` and every named query run on the imported database. Heads and edges carry
-  every attribute of the graph, a superset of what the store keeps (e.g. `roles`), but no known-class labels
+  every attribute of the graph (as the store does, `roles` included), but no known-class labels
   (`classes`, which `analyze` stores from its --classes). An integer is written as `long`, as the Bolt driver
   stores it; an empty cell is no value, so a head without roles has no `roles` property there.
 

@@ -2,9 +2,10 @@
 
 A run folder holds run.json (a `RunRecord`), pairs.parquet (one row per computed pair) and heads.parquet (one
 row per head), and stability.json once `headgraph stability` has run on it. `RunRecord.to_json` /
-`RunRecord.from_json` are the only code that writes or reads run.json; NaN numbers are stored as null. Format versions: 2 is this one (it added `causal`); 1 and a run.json without
-`format_version` (written before versions existed, headgraph 0.1) have the same fields less `causal`, so they
-are read as such; a newer version is refused with one line naming it.
+`RunRecord.from_json` are the only code that writes or reads run.json; NaN numbers are stored as null. Format
+versions: 3 is this one (it added `sweep` and `step`, null outside a sweep); 2 (which added `causal`), 1 and a
+run.json without `format_version` (written before versions existed, headgraph 0.1) have the same fields less the
+newer ones, so they are read as such; a newer version is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (0, 1, FORMAT_VERSION)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (0, 1, 2, FORMAT_VERSION)
 RUN_FILE = "run.json"
 PAIRS_FILE = "pairs.parquet"
 HEADS_FILE = "heads.parquet"
@@ -57,7 +58,7 @@ class Dims:
 class RunRecord:
     """Everything run.json says about one analysis. `id`, `out_dir` and `selection` are set once the run has
     a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed, `causal` the
-    causal stage's."""
+    causal stage's; `sweep` and `step` tag a run of a sweep (headgraph.sweep)."""
 
     model: ModelInfo
     dims: Dims
@@ -92,6 +93,10 @@ class RunRecord:
     roles: dict[str, Any] | None = None
     causal: dict[str, Any] | None = None
     """The causal stage's inputs, settings and definitions, or why it was skipped (None: not run)."""
+    sweep: str | None = None
+    """The id of the `headgraph sweep` this run belongs to (None: a run of its own)."""
+    step: int | None = None
+    """The checkpoint's training step within its sweep (None: outside a sweep, or a model without a step)."""
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

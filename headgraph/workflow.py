@@ -22,6 +22,7 @@ from headgraph.files import writable_folder
 from headgraph.analysis.options import STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import StoreSpec
+from headgraph.loader.store import RunGraph
 from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, Run, write_run
 
 @dataclass(frozen=True)
@@ -40,16 +41,19 @@ class AnalyzeOptions:
     classes: str | None = None
     store: StoreSpec | None = field(default_factory=StoreSpec)
     report: bool = True
+    sweep: str | None = None  # the sweep this run belongs to (headgraph.sweep sets it), recorded with its step
+    step: int | None = None
 
 
 @dataclass
 class AnalyzeOutcome:
-    """A finished analyze: the result tables (its id is result.run.id), the selected graph, and where everything
-    went."""
+    """A finished analyze: the result tables (its id is result.run.id), the selected graph and the rows a store
+    writes of it (`graph`, stored or not), and where everything went."""
 
     folder: Path
     result: AnalysisResult
     selected: SelectedGraph
+    graph: RunGraph
     store: str | None
     report: dict[str, Path]
 
@@ -60,7 +64,8 @@ def new_run_id(model_name: str) -> str:
     return f"{slug}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
 
 
-def _progress(console: Console, enabled: bool) -> Progress:
+def progress_bar(console: Console, enabled: bool) -> Progress:
+    """The progress display of analyze and sweep: spinner, description, bar, done of total, time."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     return Progress(*columns, console=console, disable=not enabled, transient=False)
@@ -152,8 +157,8 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     run_id = new_run_id(model.name)
     folder = Path(options.out_dir or Path("runs") / run_id)
     result.run = dataclasses.replace(result.run, id=run_id, out_dir=str(folder.resolve()),
-                                     selection=options.policy.describe())
-    with _progress(console, progress) as bar:
+                                     selection=options.policy.describe(), sweep=options.sweep, step=options.step)
+    with progress_bar(console, progress) as bar:
         if options.roles:
             _add_roles(result, model, options, bar)
         effects = causal is not None and _add_local_effects(result, causal, _inputs_seed(options), console, bar)
@@ -172,13 +177,13 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
             paths = render_report(run, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
                                   selected=selected)
+        graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
         if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
             task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
-            graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
             with options.store.open() as store:
                 store.load_run(graph)
             bar.advance(task)
-    return AnalyzeOutcome(folder, result, selected, store_description, paths)
+    return AnalyzeOutcome(folder, result, selected, graph, store_description, paths)
 
 
 def rerun_options(run: Run) -> AnalyzeOptions:

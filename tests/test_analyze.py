@@ -104,7 +104,7 @@ def test_run_folder_round_trips_exactly_with_nulls(random_model, tmp_path):
     pd.testing.assert_frame_equal(back.heads, result.heads)
     assert back.record == result.run  # every field, through run.json and back
     written = json.loads((folder / "run.json").read_text())
-    assert written["format_version"] == 2 and written == back.record.to_json()
+    assert written["format_version"] == 3 and written == back.record.to_json()
     cs = pq.read_table(folder / "pairs.parquet").column("cs")
     assert cs.null_count == 16  # QK has no Composition Score: stored as null, not NaN
     assert written["kl"]["matrix"][1][1] is None and math.isfinite(written["kl"]["matrix"][0][1])
@@ -119,8 +119,11 @@ def test_run_folders_of_earlier_formats_load_and_a_newer_one_is_one_line(random_
     (folder / "run.json").write_text(json.dumps({**{k: v for k, v in written.items() if k != "causal"},
                                                  "format_version": 1}))
     assert load_run(folder).record == result.run  # version 1: the same fields less `causal`
+    (folder / "run.json").write_text(json.dumps({**{k: v for k, v in written.items() if k not in ("sweep", "step")},
+                                                 "format_version": 2}))
+    assert load_run(folder).record == result.run  # version 2: the same fields less `sweep` and `step`
     (folder / "run.json").write_text(json.dumps({**written, "format_version": 7}))
-    with pytest.raises(UsageError, match=r"run format version 7; this headgraph .* reads versions 0, 1, 2") as e:
+    with pytest.raises(UsageError, match=r"run format version 7; this headgraph .* reads versions 0, 1, 2, 3") as e:
         load_run(folder)
     assert "\n" not in str(e.value)
 

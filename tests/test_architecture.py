@@ -26,10 +26,11 @@ ALLOWED = {
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
     "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
+    "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "workflow"},
     # the public Python API: what the orchestrator imports, and the orchestrator
     "api": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report", "workflow"},
     "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
-            "doctor", "neo4j_local", "export", "api", "_version"},
+            "doctor", "neo4j_local", "export", "api", "sweep", "_version"},
     "__main__": {"cli"},
     "__init__": {"_version", "api"},  # api lazily, on first use of headgraph.analyze / load_run / Run
 }

@@ -6,14 +6,15 @@ import doctest
 
 import pytest
 
-from headgraph import api, export, heads
+from headgraph import api, export, heads, sweep
 from headgraph.analysis import centrality, network, pk, selection, stability
 from headgraph.loader import models
 from headgraph.report import interactive
+from headgraph.report import sweep as sweep_report
 
 
-@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, stability, models, export, interactive, api],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [heads, pk, selection, centrality, network, stability, models, export, interactive, api,
+                                    sweep, sweep_report], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

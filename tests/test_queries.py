@@ -81,8 +81,12 @@ PARAMS = {
 }
 
 
+SWEEP_QUERIES = {"edge-history", "role-history", "emergence", "role-emergence"}  # tests/test_sweep_queries.py
+MODEL_QUERIES = {"model-hubs", "model-roles"}  # across models: tests/test_sweep_queries.py
+
+
 def test_every_query_file_documents_itself_and_its_parameters():
-    assert set(query_names()) == set(PARAMS)
+    assert set(query_names()) == set(PARAMS) | SWEEP_QUERIES | MODEL_QUERIES
     for name in query_names():
         query = load_query(name)
         assert len(query.purpose) > 20, name
@@ -90,7 +94,8 @@ def test_every_query_file_documents_itself_and_its_parameters():
         used = set(re.findall(r"\$(\w+)", query.cypher))
         assert declared == used, name
         body = "\n".join(line for line in query.cypher.splitlines() if not line.startswith("//"))
-        assert "run" in declared and "status = 'complete'" in body, name
+        scope = "sweep" if name in SWEEP_QUERIES else "models" if name in MODEL_QUERIES else "run"
+        assert scope in declared and "status = 'complete'" in body, name
         assert not re.search(r"\btype\(|shortestPath|\| ", body), name  # constructs LadybugDB lacks
 
 
@@ -253,6 +258,6 @@ def test_query_command_formats(graphs, tmp_path):
     lines = as_csv.output.splitlines()
     assert lines[0].startswith("kind,rank,source,target,pk") and len(lines) == 1 + 3
     listing = runner.invoke(cli, ["query", "--list", "--format", "json"])
-    assert {r["query"] for r in json.loads(listing.output)} == set(PARAMS)
+    assert {r["query"] for r in json.loads(listing.output)} == set(PARAMS) | SWEEP_QUERIES | MODEL_QUERIES
     table = runner.invoke(cli, ["query", "type-summary", "--db", path, "--run", RUN_A])
     assert table.exit_code == 0 and "OQ" in table.output

@@ -29,12 +29,14 @@ from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.open_store import open_store
 from headgraph.loader.readonly import check_ladybug_plan, check_neo4j_plan
-from headgraph.queries.runner import query_names, run_named
+from headgraph.queries.runner import load_query, query_names, run_named
 
 SESSION = f"rotest-{uuid.uuid4().hex[:6]}"
-SMALL, DENSE = f"{SESSION}-small", f"{SESSION}-dense"
+SMALL, DENSE, SWEEP = f"{SESSION}-small", f"{SESSION}-dense", f"{SESSION}-sweep"  # the small run is a sweep's
 SECRET = f"headgraph-secret-{uuid.uuid4().hex[:8]}"
-NAMED_PARAMS = {"neighbors": {"head": HUB}, "paths": {"source": "L0", "target": "L5"}, "compare-runs": {"other": SMALL}}
+NAMED_PARAMS = {"neighbors": {"head": HUB}, "paths": {"source": "L0", "target": "L5"}, "compare-runs": {"other": SMALL},
+                "edge-history": {"source": "L0H0", "target": HUB}, "role-history": {"role": "identity"}}
+ROLELESS = {"identity-hubs", "role-emergence", "model-roles"}  # empty: no roles were stored for the small run
 
 
 
@@ -49,7 +51,8 @@ def refused(capsys, statement, *store_args):
 
 def small_graph():
     pairs, heads = planted_pairs()
-    return run_graph(pairs, heads, {"id": SMALL, "model": "ro-model", "processing": "tl"}, SelectionPolicy(20))
+    return run_graph(pairs, heads, {"id": SMALL, "model": "ro-model", "processing": "tl", "sweep": SWEEP, "step": 1},
+                     SelectionPolicy(20))
 
 
 def dense_graph():
@@ -352,8 +355,10 @@ def test_ordinary_reads_still_run(store, statement, expected):
 
 @pytest.mark.parametrize("name", query_names())
 def test_every_named_query_still_runs(store, name):
-    rows = run_named(store, name, {"run": SMALL, **NAMED_PARAMS.get(name, {})})
-    assert rows.rows or name == "identity-hubs"  # no roles were stored for this run
+    declared = {p.name for p in load_query(name).params}
+    scope = {"run": SMALL} if "run" in declared else {"sweep": SWEEP} if "sweep" in declared else {}
+    rows = run_named(store, name, {**scope, **NAMED_PARAMS.get(name, {})})
+    assert rows.rows or name in ROLELESS
 
 
 # --- bounds -----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from headgraph.analysis.artifacts import role_names, roles_of
 from headgraph.analysis.selection import SelectedGraph, SelectionPolicy
 from headgraph.errors import UsageError
 from headgraph.loader.store import (
@@ -32,9 +33,13 @@ def head_rows(
     model_name: str,
     classes: Mapping[str, Sequence[str]] | None = None,
 ) -> pd.DataFrame:
-    """Head node rows: schema columns plus role result columns (`<role>_score/_p/_sig`); others are not stored."""
+    """Head node rows: schema columns plus role result columns (`<role>_score/_p/_sig`) and `roles`, the
+    significant roles by name (null when no role was tested); other columns are not stored."""
+    tested = role_names(heads)
+    significant = roles_of(heads)
     frame = heads.rename(columns={"head": "name", "index": "head"})
     frame = frame[[c for c in frame.columns if c in HEAD_PROPERTIES or _ROLE_COLUMN.match(c)]].copy()
+    frame["roles"] = [significant.get(name, []) if tested else None for name in frame["name"]]
     frame["key"] = head_key(run_id, frame["name"].astype(str))
     frame["run_id"] = run_id
     frame["model"] = model_name
@@ -74,6 +79,8 @@ def run_properties(run: RunRecord, policy: SelectionPolicy) -> dict:
         "min_effect": policy.min_effect,
         "policy": policy.describe(),
         "created": run.created,
+        "sweep": run.sweep,
+        "step": run.step,
         "params": json.dumps(run.to_json(), sort_keys=True),
     }
 

@@ -60,6 +60,8 @@ RUN_PROPERTIES = {
     "min_effect": "DOUBLE",
     "policy": "STRING",
     "created": "STRING",
+    "sweep": "STRING",
+    "step": "INT64",
     "status": "STRING",
     "n_heads": "INT64",
     "n_edges": "INT64",
@@ -92,11 +94,14 @@ HEAD_PROPERTIES = {
     "rank_v": "INT64",
     "rank_o": "INT64",
     "classes": "STRING[]",
+    "roles": "STRING[]",
     "identity_score": "DOUBLE",
     "identity_p": "DOUBLE",
     "identity_sig": "BOOLEAN",
     **CENTRALITY_PROPERTIES,
 }
+"""Head `roles`: the roles whose test is significant for the head (from the `<role>_sig` columns), so that a
+query can ask for any role by name; empty when no role was significant, null when roles were not tested."""
 EDGE_PROPERTIES = {
     "kind": "STRING",
     "run_id": "STRING",
@@ -141,6 +146,13 @@ STORED_COUNTS_QUERY = """
 MATCH (h:Head) WHERE h.run_id = $run
 OPTIONAL MATCH (h)-[e]->(:Head)
 RETURN count(DISTINCT h) AS heads, count(e) AS edges
+"""
+LATEST_SWEEP_QUERY = """
+MATCH (r:Run) WHERE r.status = 'complete' AND r.sweep IS NOT NULL
+RETURN r.sweep AS sweep ORDER BY r.created DESC, r.id DESC LIMIT 1
+"""
+SWEEP_EXISTS_QUERY = """
+MATCH (r:Run) WHERE r.sweep = $sweep AND r.status = 'complete' RETURN r.id LIMIT 1
 """
 LATEST_RUN_QUERY = """
 MATCH (r:Run) WHERE r.status = 'complete'
@@ -397,6 +409,11 @@ class GraphStore(ABC):
     def latest_run(self) -> str | None:
         """The id of the most recently created complete run, or None."""
         rows = self.read(LATEST_RUN_QUERY).rows
+        return rows[0][0] if rows else None
+
+    def latest_sweep(self) -> str | None:
+        """The sweep id of the most recently created complete run that belongs to a sweep, or None."""
+        rows = self.read(LATEST_SWEEP_QUERY).rows
         return rows[0][0] if rows else None
 
 

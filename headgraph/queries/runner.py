@@ -7,7 +7,8 @@ A query file starts with `//` comment lines: free text (its purpose), then one l
 Types: string, int (64-bit), float, list (comma-separated strings), types (comma-separated weight-pair types
 such as OK,OV, any case), head (L4H7, or a native KV head L4KV1 of a grouped-query model), node (a head or a
 layer L4).
-A parameter without a default is required, except `run`, which defaults to the latest complete run.
+A parameter without a default is required, except `run`, which defaults to the latest complete run, and `sweep`,
+which defaults to the sweep of the latest complete run that belongs to one.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from rich.table import Table
 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS
-from headgraph.loader.store import GraphStore, Rows
+from headgraph.loader.store import SWEEP_EXISTS_QUERY, GraphStore, Rows
 
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
 _HEAD = re.compile(r"^L\d+(H|KV)\d+$")
 _NODE = re.compile(r"^L\d+((H|KV)\d+)?$")
 RUN_PARAMS = {"run", "other"}  # parameters that name a stored run
+DEFAULTED = {"run", "sweep"}  # parameters whose default is read from the store
 INT64 = (-(2**63), 2**63 - 1)  # the integers both stores take as parameters
 
 
@@ -87,7 +89,7 @@ class Param:
 
     @property
     def required(self) -> bool:
-        return self.default is None and self.name != "run"
+        return self.default is None and self.name not in DEFAULTED
 
     def cast(self, text: str) -> Any:
         try:
@@ -191,11 +193,18 @@ def bind_params(query: NamedQuery, given: dict[str, str], store: GraphStore) -> 
     for name in sorted(RUN_PARAMS & set(given) & set(declared)):  # a run named by hand must be stored
         if not store.read("MATCH (r:Run) WHERE r.id = $id RETURN r.id", {"id": bound[name]}).rows:
             raise UsageError(f"no run {bound[name]!r} in {store.description}; `headgraph runs` lists them")
+    if "sweep" in given and "sweep" in declared and not store.read(SWEEP_EXISTS_QUERY, {"sweep": bound["sweep"]}).rows:
+        raise UsageError(f"no sweep {bound['sweep']!r} in {store.description}; `headgraph runs` lists the runs")
     if "run" in declared and "run" not in bound:
         latest = store.latest_run()
         if latest is None:
             raise UsageError(f"{store.description} holds no complete run; run `headgraph analyze` first")
         bound["run"] = latest
+    if "sweep" in declared and "sweep" not in bound:
+        latest = store.latest_sweep()
+        if latest is None:
+            raise UsageError(f"{store.description} holds no complete run of a sweep; run `headgraph sweep` first")
+        bound["sweep"] = latest
     return bound
 
 

@@ -220,6 +220,8 @@ def _settings_table(run):
         "KL grid": "bin width {bin_width:.4g} from {start:g}, ε {eps:g}".format(**reference["kl_grid"])
                    if "kl_grid" in reference else None,
     }
+    if record.sweep is not None:
+        rows["sweep (step)"] = f"{record.sweep} ({'no step' if record.step is None else record.step})"
     rows.update({f"null for {key}": value for key, value in record.nulls.items()})
     rows.update({f"time {key} (s)": value for key, value in record.timings_s.items()})
     rows.update({"headgraph version": record.headgraph_version, "created": record.created})

@@ -1,0 +1,137 @@
+"""`headgraph sweep --ray` against a real Ray head started by the test on loopback (`ray start --head --block`,
+its own processes, stopped by signalling that one process): the same store content as the local worker
+processes, and a Ray worker killed mid-sweep (a real SIGKILL) leaves no run of its checkpoint while the rerun
+completes the sweep. Skipped where the optional extra headgraph[ray] is not installed."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from headgraph.loader.ladybug_store import LadybugStore
+
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
+SMALL = ["--no-report", "--null-heads", "8", "--reference-samples", "500", "--n-inputs", "16", "--causal-n", "8"]
+VOLATILE = {"key", "run_id", "_label"}  # differ between two stores of the same content: ids and labels
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(address, pid of `ray start`) of a two-CPU Ray head on 127.0.0.1 (token authentication, Ray's default:
+    its clients set RAY_AUTH_MODE=token)."""
+    port, log = _free_port(), tmp_path_factory.mktemp("ray") / "head.log"
+    ray_cli = Path(sys.executable).with_name("ray")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        head = subprocess.Popen([str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                                 f"--ray-client-server-port={_free_port()}", "--num-cpus=2",
+                                 "--include-dashboard=false", "--disable-usage-stats", "--block"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while "--block" not in log.read_text() or "will now block" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}", head.pid
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        head.wait(timeout=60)
+
+
+def _content(db) -> dict:
+    """Everything a store holds per step, without what names a particular store's rows (ids, keys)."""
+    with LadybugStore(db, read_only=True) as store:
+        runs = store.read("MATCH (r:Run) RETURN r.step AS step, r.model AS model, r.sweep AS sweep, r.status AS status, "
+                          "r.n_heads AS heads, r.n_edges AS edges, r.policy AS policy, r.types AS types "
+                          "ORDER BY step").records()
+        heads = store.read("MATCH (r:Run) MATCH (h:Head) WHERE h.run_id = r.id RETURN r.step AS step, h AS head "
+                           "ORDER BY step, h.layer, h.head").records()
+        edges = store.read("MATCH (r:Run) MATCH (a:Head)-[e]->(:Head) WHERE a.run_id = r.id "
+                           "RETURN r.step AS step, e AS edge ORDER BY step, e.kind, e.source, e.target").records()
+
+    def strip(row):
+        return {k: v for k, v in row.items() if k not in VOLATILE}
+
+    return {"runs": runs, "heads": [(r["step"], strip(r["head"])) for r in heads],
+            "edges": [(r["step"], strip(r["edge"])) for r in edges]}
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
+
+
+def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
+    def sweep(where, *engine):
+        args = [sys.executable, "-m", "headgraph", "sweep", *MODELS[:2], *engine, "--db", str(tmp_path / f"{where}.lbdb"),
+                "--out", str(tmp_path / where), *SMALL]
+        done = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=300)
+        assert done.returncode == 0, done.stderr
+        return _content(tmp_path / f"{where}.lbdb")
+
+    # one torch thread per analysis in both: Ray tasks take one CPU, two local workers share the two cores
+    on_ray, local = sweep("ray", "--ray", cluster[0]), sweep("local", "--workers", "2")
+    assert [r["step"] for r in on_ray["runs"]] == [2000, 3000] and on_ray["runs"] == local["runs"]
+    assert len(on_ray["edges"]) == 96 and len(on_ray["heads"]) == 16
+    assert on_ray["edges"] == local["edges"]  # every value, to the bit
+    for (step, a), (same_step, b) in zip(on_ray["heads"], local["heads"], strict=True):
+        floats = sorted(k for k, v in a.items() if isinstance(v, float))
+        assert step == same_step and {k: v for k, v in a.items() if k not in floats} == {
+            k: v for k, v in b.items() if k not in floats}
+        # HITS (networkx through ARPACK, from a random start vector) differs in the last bit between processes
+        assert [a[k] for k in floats] == pytest.approx([b[k] for k in floats], rel=1e-12, abs=1e-15)
+
+
+def _running_tasks(head_pid: int) -> list[psutil.Process]:
+    """The worker processes of this test's cluster that are running a checkpoint's analysis now."""
+    return [p for p in psutil.Process(head_pid).children(recursive=True)
+            if " ".join(p.cmdline()).startswith("ray::_analyze")]
+
+
+def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(cluster, tmp_path):
+    address, head = cluster
+    args = [sys.executable, "-m", "headgraph", "sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"),
+            "--out", str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
+    env = _env()
+    driver = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    lines, killed = [], []
+    for line in driver.stderr:  # after the first stored checkpoint, kill the tasks still running
+        lines.append(line)
+        if line.startswith("stored "):
+            deadline = time.monotonic() + 30
+            while not (killed := _running_tasks(head)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for task in killed:
+                task.send_signal(signal.SIGKILL)
+            break
+    err = "".join(lines) + driver.stderr.read()
+    assert killed and driver.wait(timeout=120) == 1, err
+    stored = sorted(line.split()[1] for line in err.splitlines() if line.startswith("stored "))
+    died = err.count("its Ray worker died")
+    assert died >= 1 and len(stored) + died == len(MODELS), err
+    with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:
+        runs = store.read("MATCH (r:Run) RETURN r.id AS id, r.model AS model, r.status AS status").records()
+        heads = {r["run"] for r in store.read("MATCH (h:Head) RETURN DISTINCT h.run_id AS run").records()}
+    assert sorted(r["model"] for r in runs) == stored and {r["status"] for r in runs} == {"complete"}
+    assert heads == {r["id"] for r in runs}  # no rows of a killed task's checkpoint
+    rerun = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{len(MODELS)} checkpoints, {len(stored)} already stored" in rerun.stderr
+    with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:
+        after = store.read("MATCH (r:Run) RETURN r.id AS id, r.step AS step, r.status AS status ORDER BY step").records()
+    assert [(r["step"], r["status"]) for r in after] == [(2000, "complete"), (3000, "complete"), (4000, "complete")]
+    assert {r["id"] for r in runs} <= {r["id"] for r in after}
