@@ -1,7 +1,7 @@
 """`headgraph sweep --ray` against a real Ray head started by the test on loopback (`ray start --head --block`,
 its own processes, stopped by signalling that one process): the same store content as the local worker
 processes, and a Ray worker killed mid-sweep (a real SIGKILL) leaves no run of its checkpoint while the rerun
-completes the sweep. Skipped where the optional extra headgraph[ray] is not installed."""
+completes the sweep. Needs the optional extra headgraph[ray], which scripts/test installs."""
 
 import os
 import signal
@@ -15,8 +15,6 @@ import psutil
 import pytest
 
 from headgraph.loader.ladybug_store import LadybugStore
-
-pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
