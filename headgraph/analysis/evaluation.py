@@ -127,8 +127,10 @@ def _resampled_ranks(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     values included; exactly scipy's average ranks of the resampled values, in O(n) per resample."""
     order = np.argsort(values, kind="stable")
     distinct, starts, inverse = np.unique(values[order], return_index=True, return_inverse=True)
-    per_value = np.add.reduceat(counts[:, order], starts, axis=1)  # [B, distinct values]
-    ranks = np.cumsum(per_value, axis=1) - per_value + (per_value + 1) / 2
+    per_value = counts[:, order]
+    if len(distinct) < len(values):  # tied values share their copies' ranks
+        per_value = np.add.reduceat(per_value, starts, axis=1)  # [B, distinct values]
+    ranks = np.cumsum(per_value, axis=1) - (per_value - 1) / 2
     item = np.empty(len(values), dtype=int)
     item[order] = inverse
     return ranks[:, item]
@@ -151,10 +153,12 @@ def spearman_interval(x: np.ndarray, y: np.ndarray, n_boot: int = 1000, seed: in
     rho = float(stats.spearmanr(x, y).statistic)
     counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(float)
     rx, ry = _resampled_ranks(x, counts), _resampled_ranks(y, counts)
-    rx -= (counts * rx).sum(1, keepdims=True) / n
-    ry -= (counts * ry).sum(1, keepdims=True) / n
+    mx, my = np.einsum("bi,bi->b", counts, rx) / n, np.einsum("bi,bi->b", counts, ry) / n
+    sxy = np.einsum("bi,bi,bi->b", counts, rx, ry) - n * mx * my
+    sxx = np.einsum("bi,bi,bi->b", counts, rx, rx) - n * mx**2
+    syy = np.einsum("bi,bi,bi->b", counts, ry, ry) - n * my**2
     with np.errstate(invalid="ignore", divide="ignore"):
-        boot = (counts * rx * ry).sum(1) / np.sqrt((counts * rx**2).sum(1) * (counts * ry**2).sum(1))
+        boot = sxy / np.sqrt(sxx * syy)
     tail = 50.0 * (1.0 - confidence)
     lo, hi = np.nanpercentile(boot, [tail, 100 - tail]) if np.isfinite(boot).any() else (np.nan, np.nan)
     return rho, float(lo), float(hi)
