@@ -62,6 +62,10 @@ def test_run_metadata_records_the_run(planted_run):
     assert {"z_iso", "log10_p_iso", "p_model", "q_model", "cs"} <= set(run.nulls)
     assert set(run.timings_s) == {"subspaces", "projection_kernel", "reference", "model_null", "composition"}
     assert run.rank_deficient_heads == []
+    engine = run.engine["pass"]  # one pass for OQ, OK, OV: O, Q, K and V built once each
+    assert engine["built_heads"] == 4 * 12 and engine["needed_pairs"] == 3 * 3 * 16
+    assert engine["reason"].startswith("auto: predicted") and engine["calibration"]["projector_tile"] > 0
+    assert {run.engine[tp]["formulation"] for tp in ("OQ", "OK", "OV")} == {engine["formulation"]}
 
 
 def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
@@ -80,6 +84,9 @@ def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
 def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
     result = analyze(random_model, types="all", **FAST)
     assert len(result.pairs) == 16 * 16  # 16 type pairs x (1 layer pair x 4 x 4 heads)
+    engine = result.run.engine
+    assert engine["pass"]["built_heads"] == 4 * 8  # all 16 type pairs from four sets built once
+    assert engine["QQ"]["symmetric"] and engine["QK"]["product"] == engine["KQ"]["product"] == "QK"
     assert (result.pairs.q_model < 0.05).mean() <= 0.05
     assert all(v is not None for row in result.run.kl["matrix"] for v in row)
     assert result.pairs.cs.notna().sum() == 3 * 16  # only OQ, OK, OV have a Composition Score
