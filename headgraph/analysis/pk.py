@@ -259,11 +259,30 @@ def _candidate(formulation: str, products: list[Product], shapes: dict, d: int, 
                       tile_flops, sum(areas), seconds, working)
 
 
+def _best_candidate(formulation: str, products: list[Product], shapes: dict, d: int, block: int, itemsize: int,
+                    budget: int, rates: Rates) -> _Candidate | None:
+    """The largest group size (halving from the largest set) that holds every group at once, each built once
+    in large tiles; if none fits, the fastest predicted of the three largest that fit (the cost model counts
+    FLOPs, so among groups that all hold everything it would favour small, tight but slower tiles)."""
+    n_max = max(s[0] for s in shapes.values())
+    fits = []
+    for group in sorted({max(1, math.ceil(n_max / 2**i)) for i in range(n_max.bit_length() + 1)}, reverse=True):
+        candidate = _candidate(formulation, products, shapes, d, block, group, itemsize, budget, rates)
+        if candidate is None:
+            continue
+        if candidate.builds == len({key for missing, _ in candidate.schedule for key in missing}):
+            return candidate
+        fits.append(candidate)
+        if len(fits) == 3:
+            break
+    return min(fits, key=lambda c: (c.seconds, -c.group)) if fits else None
+
+
 def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKRequest], itemsize: int, rates: Rates,
             max_memory: int = DEFAULT_MAX_MEMORY, formulation: str = "auto") -> PKPlan:
-    """Plan one pass over basis sets of shapes {name: (n_heads, d, k)} for `requests`: for each formulation
-    allowed, the group size of lowest predicted time that fits `max_memory`; "auto" returns the faster
-    formulation. Raises ValueError when even one-head groups and tiles do not fit."""
+    """Plan one pass over basis sets of shapes {name: (n_heads, d, k)} for `requests`: for each formulation,
+    its group size under `max_memory` (_best_candidate); "auto" returns the formulation of lower predicted
+    time. Raises ValueError when even one-head groups and tiles do not fit."""
     if formulation not in ("auto", *FORMULATIONS):
         raise ValueError(f"formulation must be 'auto', 'gram' or 'projector', got {formulation!r}")
     dims = {s[1] for s in shapes.values()}
@@ -276,16 +295,8 @@ def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKReque
     d = dims.pop()
     block = projectors.projector_block(d, max(s[2] for s in shapes.values()))
     products = _products(requests)
-    n_max = max(s[0] for s in shapes.values())
-    groups = sorted({max(1, math.ceil(n_max / 2**i)) for i in range(n_max.bit_length() + 1)}, reverse=True)
-    best: dict[str, _Candidate] = {}
-    for f in FORMULATIONS:
-        fits = [c for g in groups if (c := _candidate(f, products, shapes, d, block, g, itemsize, max_memory, rates))]
-        # the largest groups that hold every set at once (each head built once; large tiles), else the
-        # fastest predicted (the cost model counts FLOPs, so it would favour small, tight but slow tiles)
-        held_all = [c for c in fits if c.builds == len({key for missing, _ in c.schedule for key in missing})]
-        if held_all or fits:
-            best[f] = max(held_all, key=lambda c: c.group) if held_all else min(fits, key=lambda c: (c.seconds, -c.group))
+    best = {f: c for f in FORMULATIONS if (c := _best_candidate(f, products, shapes, d, block, itemsize, max_memory,
+                                                                  rates))}
     allowed = [f for f in best if formulation in ("auto", f)]
     if not allowed:
         raise ValueError(f"max_memory {max_memory} bytes is too small for d_model={d}: "
