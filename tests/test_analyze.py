@@ -160,6 +160,20 @@ def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, c
     assert code == 2 and err.strip().count("\n") == 0 and "no CUDA device" in err
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_equals_the_cpu_run(planted_model):
+    cuda = analyze(planted_model, seed=1, device="cuda", types="all", **FAST)
+    assert cuda.run.device == "cuda" and cuda.run.engine["pass"]["calibration"]["key"].startswith("cuda:")
+    cpu = analyze(planted_model, seed=1, types="all", **FAST)
+    keys = ["source", "target", "source_type", "target_type"]
+    merged = cpu.pairs.merge(cuda.pairs, on=keys, suffixes=("_cpu", "_cuda"))
+    assert len(merged) == len(cpu.pairs) == len(cuda.pairs)
+    for column in ("pk", "z_iso", "cs"):
+        np.testing.assert_allclose(merged[f"{column}_cuda"], merged[f"{column}_cpu"], atol=1e-4, rtol=1e-4)
+    assert ((merged.q_model_cuda < 0.05) == (merged.q_model_cpu < 0.05)).mean() >= 0.99  # ties may differ
+
+
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
     from headgraph.testing.synthetic import save_synthetic_gqa

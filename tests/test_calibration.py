@@ -76,3 +76,12 @@ def test_rates_are_flop_per_second_of_the_order_of_a_timed_matmul(cache_dir):
     matmul = 5 * 2 * 1024 * 256 * 1024 / (time.perf_counter() - start)
     for kernel in calibration.KERNELS:
         assert matmul / 30 < getattr(rates, kernel) < matmul * 30, kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rates_are_their_own_calibration(cache_dir):
+    cpu = calibration.rates("cpu", torch.float32, 256, 64)
+    cuda = calibration.rates("cuda", torch.float32, 256, 64)
+    assert cuda.key.startswith("cuda:") and cuda.key != cpu.key and cuda.source == "measured"
+    assert all(getattr(cuda, kernel) > 0 for kernel in calibration.KERNELS)
