@@ -424,10 +424,10 @@ def neo4j_browser():
 
 # Process settings read once, when torch loads (this module does not import torch); the user's environment wins.
 # GNU OpenMP's default active wait keeps torch's idle worker threads spinning, which on a shared machine takes
-# the cores the working threads need: GPT-2 small's bases 1-3 s instead of 0.4 s, TransformerLens' O->Q/K/V
-# 18 s instead of 8 s, in the same load. Transparent huge pages for torch's large CPU tensors cut the page
-# faults of first touching them: allocating and filling 184 MB (one type's projectors) 0.11 s -> 0.015 s.
-PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "1"}
+# the cores the working threads need: on a busy 2-core box GPT-2 small's bases took 1-3 s instead of 0.4 s and
+# TransformerLens' O->Q/K/V 18 s instead of 8 s. (Transparent huge pages, THP_MEM_ALLOC_ENABLE=1, were tried
+# and left out: faster re-allocation, but a fresh process's first PK pass took 1.1-1.3 s instead of 0.6 s.)
+PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def main(argv=None):
