@@ -14,10 +14,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from headgraph.analysis import reference, significance
+from headgraph.analysis import calibration, reference, significance
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, head_index
 from headgraph.analysis.composition import composition_scores
-from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_pk
 from headgraph.analysis.subspaces import model_subspaces, rank_deficient_heads
 from headgraph.analysis.options import PKOptions
 from headgraph.errors import UsageError
@@ -94,26 +94,34 @@ def stage_subspaces(state: AnalysisState, progress: Progress) -> None:
 
 
 def stage_projection_kernel(state: AnalysisState, progress: Progress) -> None:
-    """All-pairs PK per type pair, with the cheaper formulation under the memory budget."""
+    """All-pairs PK of every type pair in one pass: each weight type's vectors built once and shared by the
+    type pairs that read it, same-type pairs on their upper triangle, the formulation of lower predicted time
+    (kernel rates measured on this machine, cached) under the memory budget."""
     opts = state.options
-    total = sum(state.subspaces[tp[0]].flat().shape[0] for tp in opts.types)
-    task = progress.add_task("projection kernel", total=total)
     with _stage(state, "projection_kernel"):
+        names = sorted({t for tp in opts.types for t in tp}, key=WEIGHT_TYPES.index)
+        bases = {t: state.subspaces[t].flat() for t in names}
+        layers = {t: state.subspaces[t].flat_layers() for t in names}
+        requests = {tp: PKRequest(tp[0], tp[1], pair_mask(layers[tp[0]], layers[tp[1]], opts.full_matrix,
+                                                          tp[0] == tp[1])) for tp in opts.types}
+        first = bases[names[0]]
+        rates = calibration.rates(first.device, first.dtype, first.shape[1], max(b.shape[2] for b in bases.values()))
+        try:
+            plan = plan_pk({t: tuple(b.shape) for t, b in bases.items()}, requests, first.element_size(), rates,
+                           opts.max_memory, opts.formulation)
+        except ValueError as e:
+            raise UsageError(f"{e}; raise --max-memory") from e
+        task = progress.add_task("projection kernel", total=len(plan.tiles))
+        pk = pk_pass(bases, plan, advance=lambda n: progress.advance(task, n))
         for tp in opts.types:
-            src, tgt = state.subspaces[tp[0]], state.subspaces[tp[1]]
-            mask = pair_mask(src.flat_layers(), tgt.flat_layers(), opts.full_matrix, tp[0] == tp[1])
-            try:
-                plan = plan_pk(mask, src.d_model, src.width, tgt.width, src.bases.element_size(), opts.max_memory,
-                               opts.formulation)
-            except ValueError as e:
-                raise UsageError(f"{e}; raise --max-memory") from e
-            pk = pk_matrix(src.flat(), tgt.flat(), mask.to(opts.device), plan,
-                           advance=lambda n: progress.advance(task, n))
-            src_idx, tgt_idx = (i.numpy() for i in torch.nonzero(mask, as_tuple=True))
-            values = pk.cpu().double().numpy()[src_idx, tgt_idx]
+            src_idx, tgt_idx = (i.numpy() for i in torch.nonzero(requests[tp].mask, as_tuple=True))
+            values = pk[tp].cpu().double().numpy()[src_idx, tgt_idx]
             state.edges[tp] = TypePairEdges(src_idx, tgt_idx, {"pk": values})
-            state.engine[tp] = {"formulation": plan.formulation, "src_tile": plan.src_tile,
-                                "tgt_tile": plan.tgt_tile, "flops": plan.flops, "working_bytes": plan.working_bytes}
+            product = next(p for p in plan.products if any(name == tp for name, _ in p.answers))
+            state.engine[tp] = {"formulation": plan.formulation, "product": f"{product.left}{product.right}",
+                                "symmetric": product.left == product.right,
+                                "transposed": dict(product.answers)[tp]}
+        state.engine["pass"] = plan.describe()
 
 
 def _edge_ranks(state: AnalysisState, tp: str) -> tuple[np.ndarray, np.ndarray]:

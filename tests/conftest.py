@@ -130,3 +130,22 @@ def chromium(tmp_path):
     yield browser
     browser.quit()
 # ---- end browser fixtures ----
+
+# ---- PK calibration (helper "pk"): the tests never read or write the user's calibration cache ----
+import os as _pk_os
+
+import pytest as _pk_pytest
+
+
+@_pk_pytest.fixture(scope="session", autouse=True)
+def _pk_calibration_cache(tmp_path_factory):
+    """HEADGRAPH_CACHE_DIR points at a session folder (subprocesses inherit it), so kernel rates are measured
+    once per session there, not read from or written to ~/.cache/headgraph."""
+    previous = _pk_os.environ.get("HEADGRAPH_CACHE_DIR")
+    _pk_os.environ["HEADGRAPH_CACHE_DIR"] = str(tmp_path_factory.mktemp("headgraph-cache"))
+    yield
+    if previous is None:
+        _pk_os.environ.pop("HEADGRAPH_CACHE_DIR")
+    else:
+        _pk_os.environ["HEADGRAPH_CACHE_DIR"] = previous
+# ---- end PK calibration ----

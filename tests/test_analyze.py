@@ -62,6 +62,10 @@ def test_run_metadata_records_the_run(planted_run):
     assert {"z_iso", "log10_p_iso", "p_model", "q_model", "cs"} <= set(run.nulls)
     assert set(run.timings_s) == {"subspaces", "projection_kernel", "reference", "model_null", "composition"}
     assert run.rank_deficient_heads == []
+    engine = run.engine["pass"]  # one pass for OQ, OK, OV: O, Q, K and V built once each
+    assert engine["built_heads"] == 4 * 12 and engine["needed_pairs"] == 3 * 3 * 16
+    assert engine["reason"].startswith("auto: predicted") and engine["calibration"]["projector_tile"] > 0
+    assert {run.engine[tp]["formulation"] for tp in ("OQ", "OK", "OV")} == {engine["formulation"]}
 
 
 def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
@@ -80,6 +84,9 @@ def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
 def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
     result = analyze(random_model, types="all", **FAST)
     assert len(result.pairs) == 16 * 16  # 16 type pairs x (1 layer pair x 4 x 4 heads)
+    engine = result.run.engine
+    assert engine["pass"]["built_heads"] == 4 * 8  # all 16 type pairs from four sets built once
+    assert engine["QQ"]["symmetric"] and engine["QK"]["product"] == engine["KQ"]["product"] == "QK"
     assert (result.pairs.q_model < 0.05).mean() <= 0.05
     assert all(v is not None for row in result.run.kl["matrix"] for v in row)
     assert result.pairs.cs.notna().sum() == 3 * 16  # only OQ, OK, OV have a Composition Score
@@ -157,6 +164,20 @@ def test_bad_options_are_one_line_usage_errors(synthetic_dir, tmp_path, capsys, 
 def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, capsys):
     code, _, err = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--device", "cuda"], capsys)
     assert code == 2 and err.strip().count("\n") == 0 and "no CUDA device" in err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_equals_the_cpu_run(planted_model):
+    cuda = analyze(planted_model, seed=1, device="cuda", types="all", **FAST)
+    assert cuda.run.device == "cuda" and cuda.run.engine["pass"]["calibration"]["key"].startswith("cuda:")
+    cpu = analyze(planted_model, seed=1, types="all", **FAST)
+    keys = ["source", "target", "source_type", "target_type"]
+    merged = cpu.pairs.merge(cuda.pairs, on=keys, suffixes=("_cpu", "_cuda"))
+    assert len(merged) == len(cpu.pairs) == len(cuda.pairs)
+    for column in ("pk", "z_iso", "cs"):
+        np.testing.assert_allclose(merged[f"{column}_cuda"], merged[f"{column}_cpu"], atol=1e-4, rtol=1e-4)
+    assert ((merged.q_model_cuda < 0.05) == (merged.q_model_cpu < 0.05)).mean() >= 0.99  # ties may differ
 
 
 @pytest.fixture(scope="module")

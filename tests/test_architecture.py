@@ -112,3 +112,20 @@ def test_the_vocabulary_is_defined_once():
         "heads": {"WeightType", "WEIGHT_TYPES", "TYPE_PAIRS", "COMPOSITION_TYPES", "DEFAULT_TYPES"}}
     literal = '("Q", "K", "V", "O")'
     assert [p.name for p in PACKAGE.rglob("*.py") if literal in p.read_text()] == []
+
+
+def test_the_cli_process_settings_reach_torch():
+    """`headgraph` sets OMP_WAIT_POLICY (read once, when torch loads) in main(): that works only while importing
+    the CLI does not load torch; a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, sys; import headgraph.cli as cli; loaded = 'torch' in sys.modules; cli.main(['--version']); "
+             "print(loaded, os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"PYTHONPATH": str(PACKAGE.parent)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False ACTIVE"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.pk import pair_mask, pk_matrix
 from headgraph.analysis.reference import isotropic_log10_p
 from headgraph.analysis.significance import (benjamini_hochberg, null_bases, null_head_sets,
                                              null_pk_samples, upper_p, second_moment)
@@ -70,7 +70,7 @@ def edge_statistics(w: dict[str, torch.Tensor], type_pair: str, seed: int) -> tu
     """(q_model, log10_p_iso) of every earlier -> later edge of one type pair."""
     src, tgt = (orthonormal_bases(head_matrices(w[t], t), t, torch.float32) for t in type_pair)
     mask = pair_mask(src.flat_layers(), tgt.flat_layers(), full_matrix=False, same_type=type_pair[0] == type_pair[1])
-    pk = pk_matrix(src.flat(), tgt.flat(), mask, plan_pk(mask, D, K, K, 4))[mask].double().numpy()
+    pk = pk_matrix(src.flat(), tgt.flat(), mask)[mask].double().numpy()
     sets = null_head_sets(w, set(type_pair), n_heads=150, seed=seed)
     null = null_pk_samples(sets[type_pair[0]][0], sets[type_pair[1]][1], max_memory=2**30)
     return benjamini_hochberg(upper_p(pk, null, K)), isotropic_log10_p(pk, D, K, K)

@@ -15,7 +15,7 @@ Grouped-query K/V are expanded to query heads, as TransformerLens does, since W_
 
 import torch
 
-from headgraph.analysis.pk import pk_matrix, plan_pk
+from headgraph.analysis.pk import pk_matrix
 
 
 def expand_kv(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -53,8 +53,7 @@ def composition_scores(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, 
     left, right = composition_factors(W_Q, W_K, W_V, W_O, mode)
     d, k = left.shape[-2], left.shape[-1]
     left, right = left.reshape(-1, d, k), right.reshape(-1, d, right.shape[-1])
-    plan = plan_pk(mask, d, k, right.shape[-1], left.element_size(), max_memory, formulation="gram")
-    numerator = pk_matrix(left, right, mask.to(left.device), plan).sqrt()
+    numerator = pk_matrix(left, right, mask, max_memory, formulation="gram").sqrt()
     left_norm = left.square().sum(dim=(1, 2)).sqrt()
     right_norm = right.square().sum(dim=(1, 2)).sqrt()
     return numerator / (left_norm[:, None] * right_norm[None, :])

@@ -1,46 +1,42 @@
-"""All-pairs Projection Kernel between two sets of head subspaces, tiled to a memory budget.
+"""All-pairs Projection Kernel for many type pairs in one pass, tiled to a memory budget.
 
 PK(S, S') = ||U^T U'||_F^2 = tr(P P') for orthonormal bases U (d x k), U' (d x k') and projectors P = U U^T.
-Two exact formulations, chosen per call by a cost model (both are tested equal):
+A pass takes named basis sets (e.g. one per weight type: Q, K, V, O) and named requests (e.g. one per type
+pair: OQ = sources from set O, targets from set Q, where a mask is True) and computes them together:
 
-- "gram": stack the bases and take the block Gram matrix G = B_src^T B_tgt; PK(a, b) is the sum of squares of
-  its k x k' block (a, b). 2 k k' d FLOPs per pair.
-- "projector": vectorise each projector over its upper block triangle (off-diagonal blocks weighted by
-  sqrt 2), so PK(a, b) = <v_a, v_b>. About d^2 + d k FLOPs per pair (vs 2 k k' d: fewer whenever
-  d < 2 k k', ~10x fewer on GPT-2 small) plus about d^2 k to build each projector once, which is slow
-  small-GEMM work and must be redone per tile when the projectors do not fit the memory budget.
+- Each set's heads are built once into the formulation's vectors (stacked bases for "gram", vectorised
+  projectors for "projector"; headgraph.analysis.projectors) in groups of heads, and every request that reads
+  the set reuses them: all 16 type pairs of a model build 4 sets, not 32.
+- A set against itself (QQ, KK, ...) is symmetric: only the upper triangle of the pairs either orientation
+  needs is computed. Two requests XY and YX share one product (PK_YX = PK_XY^T).
+- Each product's needed pairs are covered by rectangular tiles, split in halves until at least 60 % of a
+  tile is needed: an earlier -> later triangle is computed as a few large GEMMs (GPT-2 small: 3 tiles, 1.28x
+  the needed pairs), since thin tiles of the memory-bound projector GEMM cost more than the pairs they save
+  (measured: 1 tile at 1.83x the pairs 0.28 s, 3 tiles at 1.28x 0.27 s, 53 tiles at 1.0x 0.66 s).
+- The groups held at once fit `max_memory` (working memory: built vectors, build temporaries and tiles; the
+  input bases and the output matrices are not counted). When they cannot all be held, groups are rebuilt as
+  the tiles need them, evicting the one needed furthest in the future (Belady), and the group size is chosen
+  by predicted time.
+- "auto" picks the formulation of lower predicted time, from the kernels' FLOP/s measured on this machine and
+  device (headgraph.analysis.calibration), among those that fit; the plan says which ran and why.
 
-No Python loop runs over head pairs: the loops run over tiles of heads, sized so that the working memory
-(tile copies, Gram or projector blocks, excluding the input bases and the output matrix) stays within
-`max_memory` bytes. Same code on CUDA and CPU; the dtype is the bases' dtype.
+No Python loop runs over head pairs: the loops run over tiles and groups. Same code on CUDA and CPU; the
+dtype is the bases' dtype.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
+from headgraph.analysis import calibration, projectors
+from headgraph.analysis.calibration import Rates
 from headgraph.analysis.options import DEFAULT_MAX_MEMORY
+from headgraph.analysis.projectors import FORMULATIONS
 
-FORMULATIONS = ("gram", "projector")
-# Building projector blocks is many small batched GEMMs (b x k x b, b = k) plus copies; on this project's
-# 2-core CPU they ran at about a fifth of a large GEMM's FLOP/s, so the cost model weighs their FLOPs by 5.
-PROJECTOR_BUILD_EFFICIENCY = 0.2
-
-
-@dataclass(frozen=True)
-class PKPlan:
-    """How one all-pairs PK computation runs: formulation, tile sizes, estimated FLOPs and working bytes."""
-
-    formulation: str
-    src_tile: int
-    tgt_tile: int
-    cache_targets: bool
-    build_chunk: int
-    flops: float
-    cost: float
-    working_bytes: int
+TILE_DENSITY = 0.6  # a tile is split in halves until at least this fraction of its pairs is needed
 
 
 def pair_mask(src_layers: torch.Tensor, tgt_layers: torch.Tensor, full_matrix: bool,
@@ -57,173 +53,309 @@ def pair_mask(src_layers: torch.Tensor, tgt_layers: torch.Tensor, full_matrix: b
     return mask
 
 
-def touched_fraction(mask: torch.Tensor, src_tile: int) -> float:
-    """Fraction of the full matrix the tiled loop computes: each source tile covers the span of columns
-    any of its rows needs."""
-    rows_any = torch.stack([mask[i:i + src_tile].any(dim=0) for i in range(0, mask.shape[0], src_tile)])
-    has_any = rows_any.any(dim=1)
-    first = rows_any.int().argmax(dim=1)
-    last = mask.shape[1] - rows_any.flip(1).int().argmax(dim=1)
-    tile_rows = torch.tensor([min(src_tile, mask.shape[0] - i) for i in range(0, mask.shape[0], src_tile)])
-    return float((tile_rows * (last - first) * has_any).sum()) / max(1, mask.numel())
+@dataclass(frozen=True)
+class PKRequest:
+    """One PK matrix: every (source head of set `source`, target head of set `target`) pair where `mask`
+    [n_source, n_target] is True."""
+
+    source: str
+    target: str
+    mask: torch.Tensor
 
 
-def _max_src_tile(n_src: int, parts: int) -> int:
-    """Source tiles are at most 1/parts of the sources, so that earlier -> later masks skip empty blocks
-    (the Gram GEMM keeps its efficiency with thin tiles; the projector GEMM, memory-bound, needs fat ones)."""
-    return max(1, math.ceil(n_src / parts))
+@dataclass(frozen=True)
+class Product:
+    """One product between two sets (left == right: symmetric, computed on its upper triangle), the pairs it
+    must compute, and the requests it answers: (name, read transposed)."""
+
+    left: str
+    right: str
+    needed: torch.Tensor
+    answers: tuple[tuple[str, bool], ...]
 
 
-def _gram_working_bytes(src_tile: int, tgt_tile: int, d: int, k_src: int, k_tgt: int, itemsize: int) -> int:
-    return itemsize * (src_tile * k_src * tgt_tile * k_tgt + src_tile * d * k_src + tgt_tile * d * k_tgt)
+@dataclass(frozen=True)
+class Tile:
+    """One tile: heads rows[0]:rows[1] of the product's left set against cols[0]:cols[1] of its right set,
+    inside one group of each."""
+
+    product: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
 
 
-def _projector_length(d: int, k: int) -> int:
-    b, n_blocks = projector_layout(d, k)
-    return n_blocks * b * b
+@dataclass(frozen=True)
+class PKPlan:
+    """How one pass runs: formulation, layout, groups, tiles and their build schedule, FLOPs, predicted time
+    (from measured kernel rates; a prediction, not a measurement) and working bytes."""
+
+    formulation: str
+    block: int
+    group: int
+    shapes: dict[str, tuple[int, int, int]]
+    requests: dict[str, PKRequest] = field(repr=False)
+    products: tuple[Product, ...] = field(repr=False)
+    tiles: tuple[Tile, ...] = field(repr=False)
+    schedule: tuple[tuple[tuple, tuple], ...] = field(repr=False)  # per tile: (groups to build, to evict)
+    builds: int
+    built_heads: int
+    build_flops: float
+    tile_flops: float
+    needed_pairs: int
+    computed_pairs: int
+    seconds: float
+    working_bytes: int
+    predicted: dict[str, float]
+    reason: str
+    rates: Rates
+
+    @property
+    def flops(self) -> float:
+        return self.build_flops + self.tile_flops
+
+    def describe(self) -> dict:
+        """The plan as run.json's engine info records it."""
+        return {"formulation": self.formulation, "reason": self.reason,
+                "predicted_s": {f: (round(s, 4) if math.isfinite(s) else None) for f, s in self.predicted.items()},
+                "flops": self.flops, "build_flops": self.build_flops, "tile_flops": self.tile_flops,
+                "projector_block": self.block, "group_heads": self.group, "group_builds": self.builds,
+                "built_heads": self.built_heads, "sets": {name: {"heads": s[0], "d": s[1], "k": s[2]}
+                                                          for name, s in self.shapes.items()},
+                "tiles": len(self.tiles), "needed_pairs": self.needed_pairs, "computed_pairs": self.computed_pairs,
+                "working_bytes": self.working_bytes, "calibration": self.rates.describe()}
 
 
-def _projector_bytes(n_heads: int, d: int, k: int, itemsize: int) -> int:
-    """A block of vectorised projectors."""
-    return itemsize * n_heads * _projector_length(d, k)
+def _products(requests: dict[str, PKRequest]) -> list[Product]:
+    """Requests merged into products: XY and YX into one, a set against itself on its upper triangle."""
+    merged: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+    for name, request in requests.items():
+        mask = request.mask.to("cpu", torch.bool)
+        if request.source == request.target:
+            key, needed, transposed = (request.source, request.source), torch.triu(mask | mask.T), False
+        elif (request.target, request.source) in merged:
+            key, needed, transposed = (request.target, request.source), mask.T, True
+        else:
+            key, needed, transposed = (request.source, request.target), mask, False
+        previous, answers = merged.get(key, (torch.zeros_like(needed), []))
+        merged[key] = (previous | needed, answers + [(name, transposed)])
+    return [Product(left, right, needed, tuple(answers)) for (left, right), (needed, answers) in merged.items()]
 
 
-def _build_bytes(chunk: int, d: int, k: int, itemsize: int) -> int:
-    """Row-block copies of `chunk` heads' bases made while building their projector blocks."""
-    b, n_blocks = projector_layout(d, k)
-    return 2 * itemsize * chunk * n_blocks * b * k
-
-
-def _build_chunk(d: int, k: int, itemsize: int, budget: int) -> int:
-    """Heads whose projector blocks are built at once."""
-    return max(1, min(8, budget // max(1, _build_bytes(1, d, k, itemsize))))
-
-
-def _largest_tile(n: int, fits: Callable[[int], bool]) -> int:
-    """Largest tile size <= n (halving from n) for which `fits` holds; 1 if none does."""
-    size = max(1, n)
-    while size > 1 and not fits(size):
-        size = (size + 1) // 2
-    return size
-
-
-def _plan_gram(mask: torch.Tensor, d: int, k_src: int, k_tgt: int, itemsize: int, budget: int) -> PKPlan:
-    n_src, n_tgt = mask.shape
-    stacked_targets = itemsize * n_tgt * d * k_tgt
-    cache_targets = stacked_targets + _gram_working_bytes(1, 1, d, k_src, k_tgt, itemsize) <= budget // 2
-    free = budget - stacked_targets if cache_targets else budget
-    tgt_tile = _largest_tile(n_tgt, lambda t: _gram_working_bytes(1, t, d, k_src, k_tgt, itemsize) <= free)
-    src_tile = _largest_tile(_max_src_tile(n_src, 16),
-                             lambda s: _gram_working_bytes(s, tgt_tile, d, k_src, k_tgt, itemsize) <= free)
-    flops = 2.0 * k_src * k_tgt * d * n_src * n_tgt * touched_fraction(mask, src_tile)
-    working = _gram_working_bytes(src_tile, tgt_tile, d, k_src, k_tgt, itemsize) + stacked_targets * cache_targets
-    return PKPlan("gram", src_tile, tgt_tile, cache_targets, 0, flops, flops, working)
-
-
-def _plan_projector(mask: torch.Tensor, d: int, k_src: int, k_tgt: int, itemsize: int, budget: int) -> PKPlan:
-    n_src, n_tgt = mask.shape
-    k = max(k_src, k_tgt)
-    build_chunk = _build_chunk(d, k, itemsize, budget // 4)
-    build = _build_bytes(build_chunk, d, k, itemsize)
-    all_targets = _projector_bytes(n_tgt, d, k, itemsize)
-    cache_targets = all_targets + _projector_bytes(1, d, k, itemsize) + build <= budget
-    if cache_targets:
-        tgt_tile = n_tgt
-        free = budget - all_targets - build
+def _cover(needed: np.ndarray, r0: int, r1: int, c0: int, c1: int, max_area: int, out: list) -> None:
+    """Rectangles covering the True entries of needed[r0:r1, c0:c1]: its bounding box if at least
+    TILE_DENSITY of it is needed and it has at most max_area entries, else the cover of each half."""
+    block = needed[r0:r1, c0:c1]
+    rows, cols = np.flatnonzero(block.any(axis=1)), np.flatnonzero(block.any(axis=0))
+    if rows.size == 0:
+        return
+    r0, r1, c0, c1 = r0 + rows[0], r0 + rows[-1] + 1, c0 + cols[0], c0 + cols[-1] + 1
+    area = (r1 - r0) * (c1 - c0)
+    if area <= max_area and (needed[r0:r1, c0:c1].sum() >= TILE_DENSITY * area or area == 1):
+        out.append(((int(r0), int(r1)), (int(c0), int(c1))))
+    elif r1 - r0 >= c1 - c0:
+        mid = (r0 + r1) // 2
+        _cover(needed, r0, mid, c0, c1, max_area, out)
+        _cover(needed, mid, r1, c0, c1, max_area, out)
     else:
-        tgt_tile = _largest_tile(n_tgt, lambda t: 2 * _projector_bytes(t, d, k, itemsize) + build <= budget)
-        free = budget - _projector_bytes(tgt_tile, d, k, itemsize) - build
-    src_tile = _largest_tile(_max_src_tile(n_src, 4),
-                             lambda s: _projector_bytes(s, d, k, itemsize) + itemsize * s * tgt_tile <= free)
-    n_src_tiles = math.ceil(n_src / src_tile)
-    target_builds = n_tgt if cache_targets else n_tgt * n_src_tiles
-    length = _projector_length(d, k)
-    build_flops = 2.0 * length * k * (n_src + target_builds)
-    gemm_flops = 2.0 * length * n_src * n_tgt * touched_fraction(mask, src_tile)
-    cost = gemm_flops + build_flops / PROJECTOR_BUILD_EFFICIENCY
-    working = (_projector_bytes(src_tile, d, k, itemsize) + _projector_bytes(tgt_tile, d, k, itemsize) + build
-               + itemsize * src_tile * tgt_tile)
-    return PKPlan("projector", src_tile, tgt_tile, cache_targets, build_chunk, gemm_flops + build_flops, cost,
-                  working)
+        mid = (c0 + c1) // 2
+        _cover(needed, r0, r1, c0, mid, max_area, out)
+        _cover(needed, r0, r1, mid, c1, max_area, out)
 
 
-def plan_pk(mask: torch.Tensor, d: int, k_src: int, k_tgt: int, itemsize: int,
+def _tiles(products: list[Product], group: int, max_area: int) -> list[Tile]:
+    """Tiles of every product inside each (left group, right group) block, ordered so that each left group
+    is used by consecutive tiles (its products one after another)."""
+    tiles = []
+    for p, product in enumerate(products):
+        needed = product.needed.numpy()
+        for g0 in range(0, needed.shape[0], group):
+            for h0 in range(0, needed.shape[1], group):
+                rects = []
+                _cover(needed, g0, min(g0 + group, needed.shape[0]), h0, min(h0 + group, needed.shape[1]),
+                       max_area, rects)
+                tiles += [Tile(p, rows, cols) for rows, cols in rects]
+    return sorted(tiles, key=lambda t: (products[t.product].left, t.rows[0] // group, t.product,
+                                        t.cols[0] // group, t.rows, t.cols))
+
+
+def _uses(tile: Tile, products: list[Product], group: int) -> tuple:
+    product = products[tile.product]
+    return tuple(dict.fromkeys([(product.left, tile.rows[0] // group), (product.right, tile.cols[0] // group)]))
+
+
+def _schedule(tiles: list[Tile], products: list[Product], group: int, capacity: int) -> list[tuple[tuple, tuple]]:
+    """For each tile, the groups to build before it and the groups to evict first, holding at most
+    `capacity` groups; evicts the held group whose next use is furthest away (optimal for the rebuild count)."""
+    uses = [_uses(t, products, group) for t in tiles]
+    next_use, upcoming = [], {}
+    for i in range(len(uses) - 1, -1, -1):  # next_use[i][key]: the first tile after i that uses key
+        next_use.append(dict(upcoming))
+        for key in uses[i]:
+            upcoming[key] = i
+    next_use.reverse()
+    held: set = set()
+    steps = []
+    for i, needed_now in enumerate(uses):
+        missing = [key for key in needed_now if key not in held]
+        evict = []
+        while len(held) + len(missing) > capacity:
+            victim = max((key for key in held if key not in needed_now),
+                         key=lambda key: next_use[i].get(key, math.inf))
+            held.remove(victim)
+            evict.append(victim)
+        held.update(missing)
+        steps.append((tuple(missing), tuple(evict)))
+    return steps
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    formulation: str
+    group: int
+    tiles: list
+    schedule: list
+    builds: int
+    built_heads: int
+    build_flops: float
+    tile_flops: float
+    computed_pairs: int
+    seconds: float
+    working_bytes: int
+
+
+def _candidate(formulation: str, products: list[Product], shapes: dict, d: int, block: int, group: int,
+               itemsize: int, budget: int, rates: Rates) -> _Candidate | None:
+    """The plan of one formulation with groups of `group` heads, or None if it cannot fit `budget`."""
+    k_max = max(s[2] for s in shapes.values())
+    group_bytes = itemsize * group * projectors.vector_elements(formulation, d, k_max, block)
+    temporary = projectors.build_temporary_bytes(formulation, group, d, k_max, block, itemsize)
+    n_groups = sum(math.ceil(s[0] / group) for s in shapes.values())
+    if formulation == "gram":  # groups take at most half the budget (two at least), tiles (Gram blocks) the rest
+        capacity = min(n_groups, max(2, budget // 2 // group_bytes))
+        max_area = (budget - capacity * group_bytes) // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
+    else:
+        max_area = group * group
+        capacity = min(n_groups, (budget - temporary - projectors.tile_bytes("projector", group, group, k_max, k_max,
+                                                                             itemsize)) // group_bytes)
+    if capacity < min(2, n_groups) or max_area < 1:
+        return None
+    tiles = _tiles(products, group, max_area)
+    schedule = _schedule(tiles, products, group, capacity)
+    heads = {name: s[0] for name, s in shapes.items()}
+    built = [(name, min(group, heads[name] - g * group)) for missing, _ in schedule for name, g in missing]
+    build_flops = sum(n * projectors.build_flops(formulation, d, shapes[name][2], block) for name, n in built)
+    areas = [(t.rows[1] - t.rows[0]) * (t.cols[1] - t.cols[0]) for t in tiles]
+    tile_flops = sum(area * projectors.tile_flops(formulation, d, shapes[products[t.product].left][2],
+                                                  shapes[products[t.product].right][2], block)
+                     for t, area in zip(tiles, areas))
+    if formulation == "gram":
+        seconds = rates.seconds("gram", tile_flops)
+    else:
+        seconds = rates.seconds("projector_build", build_flops) + rates.seconds("projector_tile", tile_flops)
+    held = np.cumsum([len(missing) - len(evict) for missing, evict in schedule]).max(initial=0)
+    largest = max((projectors.tile_bytes(formulation, 1, 1, k_max, k_max, itemsize) * a for a in areas), default=0)
+    working = int(held) * group_bytes + (temporary if built else 0) + largest
+    return _Candidate(formulation, group, tiles, schedule, len(built), sum(n for _, n in built), build_flops,
+                      tile_flops, sum(areas), seconds, working)
+
+
+def _best_candidate(formulation: str, products: list[Product], shapes: dict, d: int, block: int, itemsize: int,
+                    budget: int, rates: Rates) -> _Candidate | None:
+    """The largest group size (halving from the largest set) that holds every group at once, each built once
+    in large tiles; if none fits, the fastest predicted of the three largest that fit (the cost model counts
+    FLOPs, so among groups that all hold everything it would favour small, tight but slower tiles)."""
+    n_max = max(s[0] for s in shapes.values())
+    fits = []
+    for group in sorted({max(1, math.ceil(n_max / 2**i)) for i in range(n_max.bit_length() + 1)}, reverse=True):
+        candidate = _candidate(formulation, products, shapes, d, block, group, itemsize, budget, rates)
+        if candidate is None:
+            continue
+        if candidate.builds == len({key for missing, _ in candidate.schedule for key in missing}):
+            return candidate
+        fits.append(candidate)
+        if len(fits) == 3:
+            break
+    return min(fits, key=lambda c: (c.seconds, -c.group)) if fits else None
+
+
+def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKRequest], itemsize: int, rates: Rates,
             max_memory: int = DEFAULT_MAX_MEMORY, formulation: str = "auto") -> PKPlan:
-    """Tile sizes for both formulations under `max_memory`; "auto" returns the one of lower cost (FLOPs,
-    projector building weighted by 1 / PROJECTOR_BUILD_EFFICIENCY) among those whose working set fits.
-    Raises ValueError when even one-head tiles do not fit."""
+    """Plan one pass over basis sets of shapes {name: (n_heads, d, k)} for `requests`: for each formulation,
+    its group size under `max_memory` (_best_candidate); "auto" returns the formulation of lower predicted
+    time. Raises ValueError when even one-head groups and tiles do not fit."""
     if formulation not in ("auto", *FORMULATIONS):
         raise ValueError(f"formulation must be 'auto', 'gram' or 'projector', got {formulation!r}")
-    plans = [
-        _plan_gram(mask, d, k_src, k_tgt, itemsize, max_memory),
-        _plan_projector(mask, d, k_src, k_tgt, itemsize, max_memory),
-    ]
-    allowed = [p for p in plans if formulation in ("auto", p.formulation)]
-    fitting = [p for p in allowed if p.working_bytes <= max_memory]
-    if not fitting:
-        smallest = min(p.working_bytes for p in allowed)
+    dims = {s[1] for s in shapes.values()}
+    if len(dims) != 1:
+        raise ValueError(f"all basis sets must share d_model, got {sorted(dims)}")
+    for name, request in requests.items():
+        expected = (shapes[request.source][0], shapes[request.target][0])
+        if tuple(request.mask.shape) != expected:
+            raise ValueError(f"request {name}: mask shape {tuple(request.mask.shape)} is not {expected}")
+    d = dims.pop()
+    block = projectors.projector_block(d, max(s[2] for s in shapes.values()))
+    products = _products(requests)
+    best = {f: c for f in FORMULATIONS if (c := _best_candidate(f, products, shapes, d, block, itemsize, max_memory,
+                                                                  rates))}
+    allowed = [f for f in best if formulation in ("auto", f)]
+    if not allowed:
         raise ValueError(f"max_memory {max_memory} bytes is too small for d_model={d}: "
-                         f"the smallest tiles need {smallest} bytes")
-    return min(fitting, key=lambda plan: plan.cost)
+                         f"even one-head groups and tiles of the {'formulations' if formulation == 'auto' else formulation} "
+                         "do not fit")
+    chosen = best[min(allowed, key=lambda f: best[f].seconds)]
+    predicted = {f: best[f].seconds if f in best else math.inf for f in FORMULATIONS}
+    if formulation == "auto":
+        other = [f for f in FORMULATIONS if f != chosen.formulation][0]
+        why = (f"predicted {predicted[chosen.formulation]:.3g} s vs {other} {predicted[other]:.3g} s"
+               if other in best else f"{other} does not fit max_memory")
+        reason = f"auto: {why} (kernel rates: {rates.source}, {rates.key or 'given'})"
+    else:
+        reason = f"requested: formulation={formulation!r}"
+    return PKPlan(chosen.formulation, block, chosen.group, dict(shapes), dict(requests), tuple(products),
+                  tuple(chosen.tiles), tuple(chosen.schedule), chosen.builds, chosen.built_heads, chosen.build_flops,
+                  chosen.tile_flops, sum(int(p.needed.sum()) for p in products), chosen.computed_pairs,
+                  chosen.seconds, chosen.working_bytes, predicted, reason, rates)
 
 
-def projector_layout(d: int, k: int) -> tuple[int, int]:
-    """Block size b (= the head width, at most d) and number of upper-triangle blocks T of the vectorised
-    projector: the d x d projector is cut into ceil(d / b)^2 blocks of b x b; the T = nb (nb + 1) / 2 blocks
-    on or above the diagonal are kept, so the vector has T b^2 ~ d^2 / 2 + d b / 2 entries."""
-    b = max(1, min(k, d))
-    nb = math.ceil(d / b)
-    return b, nb * (nb + 1) // 2
+def pk_pass(bases: dict[str, torch.Tensor], plan: PKPlan,
+            advance: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Run a plan over bases {name: [n_heads, d, k]} (heads ordered by layer); returns each request's
+    [n_source, n_target] PK matrix, NaN where its mask is False. `advance(1)` is called after each tile."""
+    device, dtype = next(iter(bases.values())).device, next(iter(bases.values())).dtype
+    outputs = [torch.full((plan.shapes[p.left][0], plan.shapes[p.right][0]), math.nan, dtype=dtype, device=device)
+               for p in plan.products]
+    held: dict[tuple[str, int], list[torch.Tensor]] = {}
+    group = plan.group
+    for tile, (build, evict) in zip(plan.tiles, plan.schedule):
+        for key in evict:
+            del held[key]
+        for name, g in build:
+            held[(name, g)] = projectors.build(plan.formulation, bases[name][g * group:(g + 1) * group], plan.block)
+        product = plan.products[tile.product]
+        g, h = tile.rows[0] // group, tile.cols[0] // group
+        rows = slice(tile.rows[0] - g * group, tile.rows[1] - g * group)
+        cols = slice(tile.cols[0] - h * group, tile.cols[1] - h * group)
+        outputs[tile.product][tile.rows[0]:tile.rows[1], tile.cols[0]:tile.cols[1]] = projectors.tile(
+            plan.formulation, held[(product.left, g)], held[(product.right, h)], rows, cols,
+            plan.shapes[product.left][2], plan.shapes[product.right][2])
+        if advance is not None:
+            advance(1)
+    results = {}
+    for product, out in zip(plan.products, outputs):
+        if product.left == product.right:
+            upper = torch.ones(out.shape, dtype=torch.bool, device=device).triu_()
+            out = torch.where(upper, out, out.T)
+        for name, transposed in product.answers:
+            mask = plan.requests[name].mask.to(device)
+            results[name] = torch.where(mask, out.T if transposed else out, torch.full_like(mask, math.nan, dtype=dtype))
+    return results
 
 
-def vectorised_projectors(bases: torch.Tensor, chunk: int, width: int | None = None) -> torch.Tensor:
-    """[n, d, k] bases -> [n, T b^2]: the blocks of P = U U^T on and above the block diagonal, off-diagonal
-    blocks times sqrt 2, so that the dot product of two rows is tr(P P'). Each block U_i U_j^T is built
-    directly from row blocks of U (half the FLOPs of forming P, no gather). Vectors of two sets are
-    comparable when built with the same layout `width` (default k)."""
-    n, d, k = bases.shape
-    b, n_blocks = projector_layout(d, width or k)
-    nb = math.ceil(d / b)
-    block_i, block_j = torch.triu_indices(nb, nb, device=bases.device)
-    weight = torch.full(block_i.shape, math.sqrt(2.0), dtype=bases.dtype, device=bases.device)
-    weight = weight.masked_fill(block_i == block_j, 1.0).view(1, -1, 1, 1)
-    out = torch.empty(n, n_blocks * b * b, dtype=bases.dtype, device=bases.device)
-    for start in range(0, n, chunk):
-        block = torch.nn.functional.pad(bases[start:start + chunk], (0, 0, 0, nb * b - d))
-        rows = block.reshape(block.shape[0], nb, b, k)
-        target = out[start:start + chunk].view(block.shape[0], n_blocks, b, b)
-        left = rows[:, block_i].mul_(weight)
-        torch.matmul(left, rows[:, block_j].transpose(-1, -2), out=target)
-    return out
-
-
-def stacked_bases(bases: torch.Tensor) -> torch.Tensor:
-    """[n, d, k] bases side by side as one d x (n k) matrix (head-major columns)."""
-    n, d, k = bases.shape
-    return bases.permute(1, 0, 2).reshape(d, n * k)
-
-
-def _gram_tile(src: torch.Tensor, right: torch.Tensor, k_tgt: int) -> torch.Tensor:
-    """PK for every pair of a source tile [s, d, k] and stacked target bases d x (t k') via one GEMM."""
-    s, d, k = src.shape
-    left = src.transpose(1, 2).reshape(s * k, d)
-    gram = left @ right
-    return gram.square_().reshape(s, k, -1, k_tgt).sum(dim=(1, 3))
-
-
-def _column_span(mask_rows: torch.Tensor) -> tuple[int, int] | None:
-    """First and one-past-last needed column of a block of mask rows (None if it needs none)."""
-    cols = torch.nonzero(mask_rows.any(dim=0), as_tuple=False)
-    if cols.numel() == 0:
-        return None
-    return int(cols[0]), int(cols[-1]) + 1
-
-
-def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, plan: PKPlan,
-              advance: Callable[[int], None] | None = None) -> torch.Tensor:
-    """PK between every source [Ns, d, k] and target [Nt, d, k'] basis where `mask` [Ns, Nt] is True
-    (NaN elsewhere). Heads must be ordered by layer so each source tile needs one contiguous column span.
-    `advance(n)` is called after each source tile with the number of source heads done.
+def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, max_memory: int = DEFAULT_MAX_MEMORY,
+              formulation: str = "auto", rates: Rates | None = None) -> torch.Tensor:
+    """PK between every source [Ns, d, k] and target [Nt, d, k'] basis where `mask` [Ns, Nt] is True (NaN
+    elsewhere): a one-request pass (`tgt is src`: one symmetric set). Rates default to this machine's
+    calibration. Heads should be ordered by layer, so that earlier -> later masks make few, large tiles.
 
     PK is the sum of the squared cosines of the principal angles: k for equal subspaces, 0 for orthogonal ones,
     k k'/d on average for random ones (headgraph.analysis.reference). A high PK says the subspaces overlap, not
@@ -234,44 +366,24 @@ def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, plan: PK
     >>> import math, torch
     >>> line = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)
     >>> tilted = torch.tensor([[[math.cos(math.pi / 3)], [math.sin(math.pi / 3)]]], dtype=torch.float64)
-    >>> one = torch.ones(1, 1, dtype=torch.bool)
-    >>> round(pk_matrix(line, tilted, one, plan_pk(one, 2, 1, 1, 8)).item(), 12)
+    >>> round(pk_matrix(line, tilted, torch.ones(1, 1, dtype=torch.bool)).item(), 12)
     0.25
 
     All pairs: two 2-d heads span{e0, e1}, span{e2, e3} of R^4 against span{e1, e2} (one shared axis each)
-    and span{e0, e1}; the second source's pair is masked out.
+    and span{e0, e1}; the second source's pair is masked out. Both formulations give the same numbers.
 
     >>> e = torch.eye(4, dtype=torch.float64)
     >>> src, tgt = torch.stack([e[:, :2], e[:, 2:]]), torch.stack([e[:, 1:3], e[:, :2]])
     >>> mask = torch.tensor([[True, True], [True, False]])
-    >>> pk_matrix(src, tgt, mask, plan_pk(mask, 4, 2, 2, 8))
+    >>> pk_matrix(src, tgt, mask, formulation="gram")
     tensor([[1., 2.],
             [1., nan]], dtype=torch.float64)
+    >>> torch.equal(pk_matrix(src, tgt, mask, formulation="projector").nan_to_num(), torch.tensor([[1., 2.], [1., 0.]], dtype=torch.float64))
+    True
     """
-    n_src, n_tgt = src.shape[0], tgt.shape[0]
-    out = torch.full((n_src, n_tgt), float("nan"), dtype=src.dtype, device=src.device)
-    k_tgt = tgt.shape[2]
-    width = max(src.shape[2], k_tgt)
-
-    def projectors(bases: torch.Tensor) -> torch.Tensor:
-        return vectorised_projectors(bases, plan.build_chunk, width)
-
-    cached = None
-    if plan.cache_targets:
-        cached = projectors(tgt) if plan.formulation == "projector" else stacked_bases(tgt)
-    for i0 in range(0, n_src, plan.src_tile):
-        i1 = min(i0 + plan.src_tile, n_src)
-        span = _column_span(mask[i0:i1])
-        if span is not None:
-            src_vec = projectors(src[i0:i1]) if plan.formulation == "projector" else None
-            for j0 in range(span[0], span[1], plan.tgt_tile):
-                j1 = min(j0 + plan.tgt_tile, span[1])
-                if plan.formulation == "gram":
-                    right = cached[:, j0 * k_tgt:j1 * k_tgt] if cached is not None else stacked_bases(tgt[j0:j1])
-                    out[i0:i1, j0:j1] = _gram_tile(src[i0:i1], right, k_tgt)
-                else:
-                    tgt_vec = cached[j0:j1] if cached is not None else projectors(tgt[j0:j1])
-                    out[i0:i1, j0:j1] = src_vec @ tgt_vec.T
-        if advance is not None:
-            advance(i1 - i0)
-    return torch.where(mask.to(out.device), out, torch.full_like(out, float("nan")))
+    same = tgt is src
+    shapes = {"source": tuple(src.shape)} | ({} if same else {"target": tuple(tgt.shape)})
+    request = PKRequest("source", "source" if same else "target", mask)
+    rates = rates or calibration.rates(src.device, src.dtype, src.shape[1], max(src.shape[2], tgt.shape[2]))
+    plan = plan_pk(shapes, {"pk": request}, src.element_size(), rates, max_memory, formulation)
+    return pk_pass({"source": src} | ({} if same else {"target": tgt}), plan)["pk"]

@@ -17,7 +17,7 @@ import numpy as np
 from scipy import stats
 import torch
 
-from headgraph.analysis.pk import pair_mask, pk_matrix, plan_pk
+from headgraph.analysis.pk import pair_mask, pk_matrix
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
@@ -65,8 +65,7 @@ def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: i
 def null_pk_samples(src: torch.Tensor, tgt: torch.Tensor, max_memory: int) -> np.ndarray:
     """All len(src) x len(tgt) null PK values between null source and null target bases."""
     mask = pair_mask(torch.zeros(len(src)), torch.ones(len(tgt)), full_matrix=False, same_type=False)
-    plan = plan_pk(mask, src.shape[1], src.shape[2], tgt.shape[2], src.element_size(), max_memory)
-    return pk_matrix(src, tgt, mask.to(src.device), plan).reshape(-1).cpu().numpy()
+    return pk_matrix(src, tgt, mask, max_memory).reshape(-1).cpu().numpy()
 
 
 def upper_p(observed: np.ndarray, null: np.ndarray, upper: float,

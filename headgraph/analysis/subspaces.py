@@ -7,8 +7,15 @@ KV heads (axis 1 of `W_K` / `W_V` has n_kv_heads entries), so no expanded copy i
 
 Every head's basis has width d_head; columns past its numerical rank are zero, so a rank-deficient head
 contributes exactly its own rank to every Projection Kernel without special casing.
+
+On the CPU the per-head decompositions (d_head x d_head eigh, or a d_model x d_head SVD) run on one thread.
+Threaded LAPACK gains nothing on matrices this small, and on a shared machine it loses badly: each of the
+many synchronisation points of one small decomposition waits for a thread that another process has taken
+off its core. On a 2-core box with other work running, GPT-2 small's 576 bases took 1-13 s with torch's
+default two threads (seconds in any call, first or not) and 0.1-0.4 s with one.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +71,23 @@ def rank_tolerance(shape: tuple[int, int], dtype: torch.dtype) -> float:
     return max(shape) * torch.finfo(dtype).eps
 
 
+@contextmanager
+def small_lapack(device: torch.device):
+    """Run the enclosed per-head decompositions on one CPU thread (restored afterwards); no-op off the CPU."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _svd(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    left, singular_values, _ = torch.linalg.svd(work, full_matrices=False)
+    with small_lapack(work.device):
+        left, singular_values, _ = torch.linalg.svd(work, full_matrices=False)
     return left, singular_values
 
 
@@ -74,7 +96,9 @@ def _svd_by_gram(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     In float64 the singular values are accurate to ~1e-7 sigma_max, well inside a float32 rank threshold,
     and far cheaper than a batched SVD of tall matrices (one GEMM and a k x k eigh per head)."""
     wide = work.to(torch.float64)
-    eigenvalues, right = torch.linalg.eigh(wide.transpose(-2, -1) @ wide)
+    gram = wide.transpose(-2, -1) @ wide
+    with small_lapack(work.device):
+        eigenvalues, right = torch.linalg.eigh(gram)
     singular_values = eigenvalues.flip(-1).clamp(min=0).sqrt()
     right = right.flip(-1)
     left = (wide @ right) / torch.where(singular_values > 0, singular_values, 1.0).unsqueeze(-2)

@@ -1,0 +1,168 @@
+"""Measured speed of the PK engine's kernels on this machine and device, so that the planner chooses a
+formulation from what runs here rather than from a fixed efficiency constant.
+
+`rates(device, dtype, d, k)` times the engine's own kernels (headgraph.analysis.projectors) on a small random
+problem of the run's d_model and head width: the gram tile, the projector build and the projector tile, each
+best of three after a warm-up, as FLOP/s. For GPT-2 small's shape this takes well under a second on a 2-core
+CPU. Results are cached per process and in a small JSON file, keyed by device, dtype, shape, torch version and
+CPU thread count, so a changed machine or torch is measured afresh.
+
+Invalidate: delete the file, call `clear()`, or set HEADGRAPH_RECALIBRATE=1 (measure again and overwrite).
+The file is `pk-calibration.json` in HEADGRAPH_CACHE_DIR (default ~/.cache/headgraph).
+
+A rate is a speed at the calibration's tile sizes, not a promise for every tile: thin tiles of the
+memory-bound projector GEMM run slower, and a busy machine measures slow.
+"""
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from headgraph.analysis import projectors
+
+CACHE_ENV = "HEADGRAPH_CACHE_DIR"
+RECALIBRATE_ENV = "HEADGRAPH_RECALIBRATE"
+CACHE_FILE = "pk-calibration.json"
+KERNELS = ("gram", "projector_build", "projector_tile")
+_CALIBRATION_BYTES = 64 * 2**20  # bound on the calibration's vectors
+_MEMORY: dict[str, "Rates"] = {}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """FLOP/s of each kernel, and where the numbers come from (`source`: measured now, this process's cache,
+    the cache file, or given by the caller)."""
+
+    gram: float
+    projector_build: float
+    projector_tile: float
+    key: str = ""
+    measured: str = ""
+    source: str = "given"
+
+    def seconds(self, kernel: str, flops: float) -> float:
+        return flops / getattr(self, kernel)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "headgraph") / CACHE_FILE
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu:{model}:{torch.get_num_threads()} threads"
+
+
+def cache_key(device: torch.device, dtype: torch.dtype, d: int, k: int) -> str:
+    return f"{_device_name(device)}|{str(dtype).removeprefix('torch.')}|d={d}|k={k}|torch {torch.__version__}"
+
+
+def _read_file() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_file(key: str, rates: "Rates") -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_file() | {key: {k: getattr(rates, k) for k in (*KERNELS, "measured")}}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a new measurement next time
+
+
+def clear() -> None:
+    """Forget every calibration: this process's and the cache file."""
+    _MEMORY.clear()
+    cache_path().unlink(missing_ok=True)
+
+
+def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[str, float]:
+    """FLOP/s of the three kernels on random orthonormal heads of shape d x k (n heads, n x n tiles, n up to 48
+    within 64 MiB of vectors; the gram tile n/3 x n)."""
+    block = projectors.projector_block(d, k)
+    per_head = projectors.vector_elements("projector", d, k, block) * torch.finfo(dtype).bits // 8
+    n = max(2, min(48, _CALIBRATION_BYTES // per_head))
+    generator = torch.Generator().manual_seed(0)
+    bases = torch.linalg.qr(torch.randn(n, d, k, generator=generator, dtype=dtype)).Q.to(device)
+    built = projectors.build("projector", bases, block)
+    stacked = projectors.build("gram", bases, block)
+    everything, third = slice(0, n), slice(0, max(1, n // 3))
+    seconds = {
+        "gram": _best_seconds(lambda: projectors.tile("gram", stacked, stacked, third, everything, k, k), device),
+        "projector_build": _best_seconds(lambda: projectors.build("projector", bases, block), device),
+        "projector_tile": _best_seconds(lambda: projectors.tile("projector", built, built, everything, everything,
+                                                                k, k), device),
+    }
+    flops = {
+        "gram": third.stop * n * projectors.tile_flops("gram", d, k, k, block),
+        "projector_build": n * projectors.build_flops("projector", d, k, block),
+        "projector_tile": n * n * projectors.tile_flops("projector", d, k, k, block),
+    }
+    return {kernel: flops[kernel] / seconds[kernel] for kernel in KERNELS}
+
+
+def rates(device: torch.device | str, dtype: torch.dtype, d: int, k: int) -> Rates:
+    """The kernels' FLOP/s for this (device, dtype, d, k): this process's cache, else the cache file, else
+    measured now (and cached). HEADGRAPH_RECALIBRATE=1 measures again.
+
+    >>> r = rates("cpu", torch.float64, 16, 4)
+    >>> r.source in ("measured", "process cache", "cache file") and r.projector_tile > 0
+    True
+    """
+    device = torch.device(device)
+    key = cache_key(device, dtype, d, k)
+    if os.environ.get(RECALIBRATE_ENV, "") not in ("", "0"):
+        _MEMORY.pop(key, None)
+    elif key in _MEMORY:
+        return Rates(**{**asdict(_MEMORY[key]), "source": "process cache"})
+    else:
+        stored = _read_file().get(key)
+        if isinstance(stored, dict) and all(isinstance(stored.get(kn), (int, float)) and stored[kn] > 0
+                                            for kn in KERNELS):
+            found = Rates(**{kn: float(stored[kn]) for kn in KERNELS}, key=key,
+                          measured=str(stored.get("measured", "")), source="cache file")
+            _MEMORY[key] = found
+            return found
+    found = Rates(**measure(device, dtype, d, k), key=key,
+                  measured=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured")
+    _MEMORY[key] = found
+    _write_file(key, found)
+    return found
