@@ -82,6 +82,18 @@ def store_options(command: Callable) -> Callable:
     return wrapper
 
 
+def show(data, as_json: bool, printer: Callable) -> None:
+    """A command's result: JSON on stdout, or the printer's tables on the console."""
+    import json
+
+    from rich.console import Console
+
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        printer(data, Console())
+
+
 DEVICE_OPTION = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
                              help="torch device (default: cuda when present, else cpu).")
 
@@ -158,8 +170,6 @@ def analyze_command(model, options, as_json):
     """Whole pipeline on MODEL (hub name, local folder, or all-MiniLM-L6-v2 / induction-2l offline): PK with
     references and significance, Composition Score, roles, causal effects, graph selection and centrality,
     store, report."""
-    import json
-
     from rich.console import Console
 
     from headgraph.report.summary import print_summary, summary_data
@@ -169,10 +179,7 @@ def analyze_command(model, options, as_json):
     # progress bars only on a terminal: in a pipe or log they are frames of noise around the one-line error
     outcome = run_analyze(model, options, console=console, progress=console.is_terminal)
     data = summary_data(outcome)
-    if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
-    else:
-        print_summary(data, Console())
+    show(data, as_json, print_summary)
 
 
 @cli.command("sweep")
@@ -346,17 +353,10 @@ def evaluate_command(run_dir, classes_name, top_k, causal_threshold, as_json):
     effects (runs analysed with them), per metric and type: Spearman rho with the local effect and its
     bootstrap interval, ROC-AUC / PR-AUC at finding the causal pairs, precision of the top-k pairs.
     """
-    import json
-
-    from rich.console import Console
-
     from headgraph.report.summary import evaluation_data, print_evaluation
 
     data = evaluation_data(run_dir, classes_name, top_k, causal_threshold)
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-    else:
-        print_evaluation(data, Console())
+    show(data, as_json, print_evaluation)
 
 
 @cli.command("report")
@@ -418,8 +418,6 @@ def stability_command(run_dir, variants, as_json):
     the role and causal inputs (and CUDA where present); per type: Spearman of PK and of effect, Jaccard of the
     selected edges, significance and role decisions that flip. Written to RUN/stability.json (shown in the
     report)."""
-    import json
-
     from rich.console import Console
 
     from headgraph.report.summary import print_stability
@@ -429,10 +427,7 @@ def stability_command(run_dir, variants, as_json):
     console = Console(stderr=True)
     report = run_stability(load_run(run_dir), variants or tuple(STABILITY_VARIANTS), console=console,
                            progress=console.is_terminal)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        print_stability(report, Console())
+    show(report, as_json, print_stability)
 
 
 @cli.command("compare")
