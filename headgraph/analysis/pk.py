@@ -41,7 +41,6 @@ from headgraph.analysis.projectors import FORMULATIONS
 # A tile is split in halves until at least this fraction of its pairs is needed: the projector tile is a
 # memory-bound GEMM that wants few large tiles, the gram tile is FLOP-bound (7x less waste was 30 % faster).
 TILE_DENSITY = {"gram": 0.9, "projector": 0.6}
-GRAM_TILE_BYTES = 8 * 2**20  # a gram tile's Gram block stays this small: 8 MiB blocks ran 30 % faster than 128 MiB
 
 
 def pair_mask(src_layers: torch.Tensor, tgt_layers: torch.Tensor, full_matrix: bool,
@@ -238,7 +237,7 @@ def _candidate(formulation: str, products: list[Product], shapes: dict, d: int, 
     n_groups = sum(math.ceil(s[0] / group) for s in shapes.values())
     if formulation == "gram":  # groups take at most half the budget (two at least), tiles (Gram blocks) the rest
         capacity = min(n_groups, max(2, budget // 2 // group_bytes))
-        tile_budget = min(GRAM_TILE_BYTES, budget - capacity * group_bytes)
+        tile_budget = min(projectors.GRAM_TILE_BYTES, budget - capacity * group_bytes)
         max_area = tile_budget // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
     else:
         max_area = group * group
