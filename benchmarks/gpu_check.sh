@@ -16,12 +16,12 @@ python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 echo "== CUDA tests"
-timeout 100 python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
+timeout 90 python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
 
 echo "== benchmark, GPT-2 small, CUDA"
-timeout 100 python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --analyze-repeat 1
+timeout 120 python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --analyze-repeat 1
 
 echo "== benchmark, large shape, CUDA"
-timeout 80 python3 benchmarks/bench_pk.py --device cuda --only large --repeat 1 --skip-tl --max-memory 16GiB
+timeout 75 python3 benchmarks/bench_pk.py --device cuda --only large --repeat 1 --skip-tl --max-memory 16GiB
 
 echo "gpu_check: done in $((SECONDS - start)) s"

@@ -1,11 +1,12 @@
 """Measured speed of the PK engine's kernels on this machine and device, so that the planner chooses a
 formulation from what runs here rather than from a fixed efficiency constant.
 
-`rates(device, dtype, d, k)` times the engine's own kernels (headgraph.analysis.projectors) on a small random
-problem of the run's d_model and head width: the gram tile, the projector build and the projector tile, each
-best of three after a warm-up, as FLOP/s. For GPT-2 small's shape this takes well under a second on a 2-core
-CPU. Results are cached per process and in a small JSON file, keyed by device, dtype, shape, torch version and
-CPU thread count, so a changed machine or torch is measured afresh.
+`rates(device, dtype, d, k)` times the engine's own kernels (headgraph.analysis.projectors) on random data of
+the run's d_model and head width, at tile sizes like a run's: the gram tile, the projector build and the
+projector tile, each best of three after a warm-up, as FLOP/s. For GPT-2 small's shape this takes about a
+second on a 2-core CPU. Results are cached per process and in a small JSON file, keyed by device, dtype, shape,
+torch version, CPU thread count and the calibration's own version, so a changed machine or torch is measured
+afresh.
 
 Invalidate: delete the file, call `clear()`, or set HEADGRAPH_RECALIBRATE=1 (measure again and overwrite).
 The file is `pk-calibration.json` in HEADGRAPH_CACHE_DIR (default ~/.cache/headgraph).
@@ -31,6 +32,7 @@ CACHE_ENV = "HEADGRAPH_CACHE_DIR"
 RECALIBRATE_ENV = "HEADGRAPH_RECALIBRATE"
 CACHE_FILE = "pk-calibration.json"
 KERNELS = ("gram", "projector_build", "projector_tile")
+VERSION = 2  # of the measurement: part of the cache key
 _CALIBRATION_BYTES = 64 * 2**20  # bound on the calibration's vectors
 _MEMORY: dict[str, "Rates"] = {}
 
@@ -71,7 +73,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, d: int, k: int) -> str:
-    return f"{_device_name(device)}|{str(dtype).removeprefix('torch.')}|d={d}|k={k}|torch {torch.__version__}"
+    return (f"{_device_name(device)}|{str(dtype).removeprefix('torch.')}|d={d}|k={k}|torch {torch.__version__}"
+            f"|calibration v{VERSION}")
 
 
 def _read_file() -> dict:
@@ -115,26 +118,33 @@ def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[str, float]:
-    """FLOP/s of the three kernels on random orthonormal heads of shape d x k (n heads, n x n tiles, n up to 48
-    within 64 MiB of vectors; the gram tile n/3 x n)."""
+    """FLOP/s of the three kernels at tile sizes like a run's (random data: speed does not depend on the values):
+    a gram tile of s x 32 heads whose Gram block is GRAM_TILE_BYTES; building n <= 48 heads' projectors; a
+    projector tile of 48 x 48 heads over min(L, what fits 64 MiB) entries."""
     block = projectors.projector_block(d, k)
-    per_head = projectors.vector_elements("projector", d, k, block) * torch.finfo(dtype).bits // 8
-    n = max(2, min(48, _CALIBRATION_BYTES // per_head))
+    itemsize = torch.finfo(dtype).bits // 8
     generator = torch.Generator().manual_seed(0)
-    bases = torch.linalg.qr(torch.randn(n, d, k, generator=generator, dtype=dtype)).Q.to(device)
-    built = projectors.build("projector", bases, block)
-    stacked = projectors.build("gram", bases, block)
-    everything, third = slice(0, n), slice(0, max(1, n // 3))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=dtype).to(device)
+
+    length = projectors.projector_length(d, block)
+    n_build = max(1, min(48, _CALIBRATION_BYTES // (length * itemsize)))
+    n_tile, tile_length = 48, min(length, _CALIBRATION_BYTES // (48 * itemsize))
+    t = 32
+    s = max(1, min(t, projectors.GRAM_TILE_BYTES // projectors.tile_bytes("gram", 1, t, k, k, itemsize)))
+    stacked, heads, vectors = projectors.build("gram", randn(t, d, k), block), randn(n_build, d, k), [randn(n_tile, tile_length)]
+    everything = slice(0, n_tile)
     seconds = {
-        "gram": _best_seconds(lambda: projectors.tile("gram", stacked, stacked, third, everything, k, k), device),
-        "projector_build": _best_seconds(lambda: projectors.build("projector", bases, block), device),
-        "projector_tile": _best_seconds(lambda: projectors.tile("projector", built, built, everything, everything,
+        "gram": _best_seconds(lambda: projectors.tile("gram", stacked, stacked, slice(0, s), slice(0, t), k, k), device),
+        "projector_build": _best_seconds(lambda: projectors.build("projector", heads, block), device),
+        "projector_tile": _best_seconds(lambda: projectors.tile("projector", vectors, vectors, everything, everything,
                                                                 k, k), device),
     }
     flops = {
-        "gram": third.stop * n * projectors.tile_flops("gram", d, k, k, block),
-        "projector_build": n * projectors.build_flops("projector", d, k, block),
-        "projector_tile": n * n * projectors.tile_flops("projector", d, k, k, block),
+        "gram": s * t * projectors.tile_flops("gram", d, k, k, block),
+        "projector_build": n_build * projectors.build_flops("projector", d, k, block),
+        "projector_tile": 2.0 * n_tile * n_tile * tile_length,
     }
     return {kernel: flops[kernel] / seconds[kernel] for kernel in KERNELS}
 

@@ -9,14 +9,16 @@ pair: OQ = sources from set O, targets from set Q, where a mask is True) and com
   the set reuses them: all 16 type pairs of a model build 4 sets, not 32.
 - A set against itself (QQ, KK, ...) is symmetric: only the upper triangle of the pairs either orientation
   needs is computed. Two requests XY and YX share one product (PK_YX = PK_XY^T).
-- Each product's needed pairs are covered by rectangular tiles, split in halves until at least 60 % of a
-  tile is needed: an earlier -> later triangle is computed as a few large GEMMs (GPT-2 small: 3 tiles, 1.28x
-  the needed pairs), since thin tiles of the memory-bound projector GEMM cost more than the pairs they save
-  (measured: 1 tile at 1.83x the pairs 0.28 s, 3 tiles at 1.28x 0.27 s, 53 tiles at 1.0x 0.66 s).
+- Each product's needed pairs are covered by rectangular tiles, split in halves until at least 60 % (projector)
+  or 90 % (gram) of a tile is needed: for the projector an earlier -> later triangle is a few large GEMMs
+  (GPT-2 small: 3 tiles, 1.28x the needed pairs), since thin tiles of its memory-bound GEMM cost more than
+  the pairs they save (GPT-2 small's O -> Q on a busy 2-core CPU: 1 tile at 1.83x the pairs 0.28 s, 3 tiles
+  at 1.28x 0.27 s, 53 tiles at 1.0x 0.66 s); the FLOP-bound gram tiles waste little (46 tiles, 1.01x: 0.29 s,
+  3 tiles at 1.28x 0.41 s).
 - The groups held at once fit `max_memory` (working memory: built vectors, build temporaries and tiles; the
-  input bases and the output matrices are not counted). When they cannot all be held, groups are rebuilt as
-  the tiles need them, evicting the one needed furthest in the future (Belady), and the group size is chosen
-  by predicted time.
+  input bases and the output matrices are not counted). Groups are as large as lets every group be held at
+  once; when none does, groups are rebuilt as the tiles need them, evicting the one needed furthest in the
+  future (Belady), with the group size of lowest predicted time.
 - "auto" picks the formulation of lower predicted time, from the kernels' FLOP/s measured on this machine and
   device (headgraph.analysis.calibration), among those that fit; the plan says which ran and why.
 
@@ -36,7 +38,9 @@ from headgraph.analysis.calibration import Rates
 from headgraph.analysis.options import DEFAULT_MAX_MEMORY
 from headgraph.analysis.projectors import FORMULATIONS
 
-TILE_DENSITY = 0.6  # a tile is split in halves until at least this fraction of its pairs is needed
+# A tile is split in halves until at least this fraction of its pairs is needed: the projector tile is a
+# memory-bound GEMM that wants few large tiles, the gram tile is FLOP-bound (7x less waste was 30 % faster).
+TILE_DENSITY = {"gram": 0.9, "projector": 0.6}
 
 
 def pair_mask(src_layers: torch.Tensor, tgt_layers: torch.Tensor, full_matrix: bool,
@@ -141,28 +145,29 @@ def _products(requests: dict[str, PKRequest]) -> list[Product]:
     return [Product(left, right, needed, tuple(answers)) for (left, right), (needed, answers) in merged.items()]
 
 
-def _cover(needed: np.ndarray, r0: int, r1: int, c0: int, c1: int, max_area: int, out: list) -> None:
-    """Rectangles covering the True entries of needed[r0:r1, c0:c1]: its bounding box if at least
-    TILE_DENSITY of it is needed and it has at most max_area entries, else the cover of each half."""
+def _cover(needed: np.ndarray, r0: int, r1: int, c0: int, c1: int, max_area: int, density: float,
+           out: list) -> None:
+    """Rectangles covering the True entries of needed[r0:r1, c0:c1]: its bounding box if at least `density`
+    of it is needed and it has at most max_area entries, else the cover of each half."""
     block = needed[r0:r1, c0:c1]
     rows, cols = np.flatnonzero(block.any(axis=1)), np.flatnonzero(block.any(axis=0))
     if rows.size == 0:
         return
     r0, r1, c0, c1 = r0 + rows[0], r0 + rows[-1] + 1, c0 + cols[0], c0 + cols[-1] + 1
     area = (r1 - r0) * (c1 - c0)
-    if area <= max_area and (needed[r0:r1, c0:c1].sum() >= TILE_DENSITY * area or area == 1):
+    if area <= max_area and (needed[r0:r1, c0:c1].sum() >= density * area or area == 1):
         out.append(((int(r0), int(r1)), (int(c0), int(c1))))
     elif r1 - r0 >= c1 - c0:
         mid = (r0 + r1) // 2
-        _cover(needed, r0, mid, c0, c1, max_area, out)
-        _cover(needed, mid, r1, c0, c1, max_area, out)
+        _cover(needed, r0, mid, c0, c1, max_area, density, out)
+        _cover(needed, mid, r1, c0, c1, max_area, density, out)
     else:
         mid = (c0 + c1) // 2
-        _cover(needed, r0, r1, c0, mid, max_area, out)
-        _cover(needed, r0, r1, mid, c1, max_area, out)
+        _cover(needed, r0, r1, c0, mid, max_area, density, out)
+        _cover(needed, r0, r1, mid, c1, max_area, density, out)
 
 
-def _tiles(products: list[Product], group: int, max_area: int) -> list[Tile]:
+def _tiles(products: list[Product], group: int, max_area: int, density: float) -> list[Tile]:
     """Tiles of every product inside each (left group, right group) block, ordered so that each left group
     is used by consecutive tiles (its products one after another)."""
     tiles = []
@@ -172,7 +177,7 @@ def _tiles(products: list[Product], group: int, max_area: int) -> list[Tile]:
             for h0 in range(0, needed.shape[1], group):
                 rects = []
                 _cover(needed, g0, min(g0 + group, needed.shape[0]), h0, min(h0 + group, needed.shape[1]),
-                       max_area, rects)
+                       max_area, density, rects)
                 tiles += [Tile(p, rows, cols) for rows, cols in rects]
     return sorted(tiles, key=lambda t: (products[t.product].left, t.rows[0] // group, t.product,
                                         t.cols[0] // group, t.rows, t.cols))
@@ -232,14 +237,15 @@ def _candidate(formulation: str, products: list[Product], shapes: dict, d: int, 
     n_groups = sum(math.ceil(s[0] / group) for s in shapes.values())
     if formulation == "gram":  # groups take at most half the budget (two at least), tiles (Gram blocks) the rest
         capacity = min(n_groups, max(2, budget // 2 // group_bytes))
-        max_area = (budget - capacity * group_bytes) // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
+        tile_budget = min(projectors.GRAM_TILE_BYTES, budget - capacity * group_bytes)
+        max_area = tile_budget // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
     else:
         max_area = group * group
         capacity = min(n_groups, (budget - temporary - projectors.tile_bytes("projector", group, group, k_max, k_max,
                                                                              itemsize)) // group_bytes)
     if capacity < min(2, n_groups) or max_area < 1:
         return None
-    tiles = _tiles(products, group, max_area)
+    tiles = _tiles(products, group, max_area, TILE_DENSITY[formulation])
     schedule = _schedule(tiles, products, group, capacity)
     heads = {name: s[0] for name, s in shapes.items()}
     built = [(name, min(group, heads[name] - g * group)) for missing, _ in schedule for name, g in missing]

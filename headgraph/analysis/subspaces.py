@@ -11,8 +11,9 @@ contributes exactly its own rank to every Projection Kernel without special casi
 On the CPU the per-head decompositions (d_head x d_head eigh, or a d_model x d_head SVD) run on one thread.
 Threaded LAPACK gains nothing on matrices this small, and on a shared machine it loses badly: each of the
 many synchronisation points of one small decomposition waits for a thread that another process has taken
-off its core. On a 2-core box with other work running, GPT-2 small's 576 bases took 1-13 s with torch's
-default two threads (seconds in any call, first or not) and 0.1-0.4 s with one.
+off its core. On a busy 2-core box, in one process, GPT-2 small's 576 bases took 2.9-8.3 s with torch's
+default two threads and 0.35-0.46 s with one (50 eigh calls of 64 x 64: 0.11-0.89 s vs 0.03 s). The other
+half of such stalls, OpenMP's spinning idle threads, is set off for every `headgraph` process (headgraph.cli).
 """
 
 from contextlib import contextmanager
