@@ -71,7 +71,7 @@ class CausalOptions:
 of at most `loss_edges` per type: it costs a forward pass through the model per edge and input, where a local
 effect costs a fraction of one."""
 
-    n_inputs: int = 32  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
+    n_inputs: int = 24  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
     inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
     ablation: str = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
