@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,16 +286,19 @@ def apply_processing(bridge, processing: str) -> list[str]:
     return sorted({str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)})
 
 
-def _is_bridge(model) -> bool:
-    from transformer_lens.model_bridge import TransformerBridge
+def _is_instance(model, module: str, name: str) -> bool:
+    """isinstance(model, module.name) without importing the module: an instance of its class implies the module
+    is loaded already (importing TransformerLens only to ask costs ~3 s, before a bad model name is reported)."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(model, getattr(loaded, name))
 
-    return isinstance(model, TransformerBridge)
+
+def _is_bridge(model) -> bool:
+    return _is_instance(model, "transformer_lens.model_bridge.transformer_bridge", "TransformerBridge")
 
 
 def _is_hf_model(model) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
+    return _is_instance(model, "transformers.modeling_utils", "PreTrainedModel")
 
 
 def describe_model(model) -> tuple[str, str]:
