@@ -176,21 +176,25 @@ def stage_model_null(state: AnalysisState, progress: Progress) -> None:
     """p_model per edge against the second-moment null (empirical, Beta-fitted far tail), and BH q_model within
     each type pair."""
     opts = state.options
-    task = progress.add_task("model-matched null", total=len(opts.types))
     with _stage(state, "model_null"):
         sets = significance.null_head_sets(state.weights, {c for tp in opts.types for c in tp}, opts.null_heads,
                                            opts.seed)
+        try:
+            plan = significance.plan_null(sets, opts.types, opts.max_memory)
+        except ValueError as e:
+            raise UsageError(f"{e}; raise --max-memory") from e
+        task = progress.add_task("model-matched null", total=len(plan.tiles))
+        nulls = significance.null_pk_samples(sets, plan, advance=lambda n: progress.advance(task, n))
         for tp in opts.types:
             edges = state.edges[tp]
-            src, tgt = sets[tp[0]][0], sets[tp[1]][1]
-            null = significance.null_pk_samples(src, tgt, opts.max_memory)
-            edges.columns["p_model"] = significance.upper_p(edges.columns["pk"], null, min(src.shape[2], tgt.shape[2]))
+            upper = min(sets[tp[0]][0].shape[2], sets[tp[1]][1].shape[2])
+            edges.columns["p_model"] = significance.upper_p(edges.columns["pk"], nulls[tp], upper)
             edges.columns["q_model"] = significance.benjamini_hochberg(edges.columns["p_model"])
-            progress.advance(task)
         n_values = opts.null_heads**2
         state.null = {"name": significance.NULL_NAME, "null_heads": opts.null_heads, "n_values": n_values,
                       "empirical_until": f"{significance.TAIL_EXCEEDANCES} null values exceed the edge's PK",
-                      "far_tail": "Beta on [0, min(k, k')] moment-matched to the null sample (an extrapolation)"}
+                      "far_tail": "Beta on [0, min(k, k')] moment-matched to the null sample (an extrapolation)",
+                      "pass": plan.describe()}
 
 
 def stage_composition(state: AnalysisState, progress: Progress) -> None:

@@ -9,7 +9,7 @@ from scipy import stats
 from headgraph.analysis.pk import pair_mask, pk_matrix
 from headgraph.analysis.reference import isotropic_log10_p
 from headgraph.analysis.significance import (benjamini_hochberg, null_bases, null_head_sets,
-                                             null_pk_samples, upper_p, second_moment)
+                                             null_pk_samples, plan_null, upper_p, second_moment)
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
 L, H, D, K = 4, 4, 64, 16
@@ -72,8 +72,21 @@ def edge_statistics(w: dict[str, torch.Tensor], type_pair: str, seed: int) -> tu
     mask = pair_mask(src.flat_layers(), tgt.flat_layers(), full_matrix=False, same_type=type_pair[0] == type_pair[1])
     pk = pk_matrix(src.flat(), tgt.flat(), mask)[mask].double().numpy()
     sets = null_head_sets(w, set(type_pair), n_heads=150, seed=seed)
-    null = null_pk_samples(sets[type_pair[0]][0], sets[type_pair[1]][1], max_memory=2**30)
+    null = null_pk_samples(sets, plan_null(sets, [type_pair], max_memory=2**30))[type_pair]
     return benjamini_hochberg(upper_p(pk, null, K)), isotropic_log10_p(pk, D, K, K)
+
+
+def test_the_null_of_all_16_type_pairs_is_one_pass_that_builds_each_set_once():
+    from headgraph.heads import TYPE_PAIRS
+
+    sets = null_head_sets(random_model(None, seed=7), set("QKVO"), n_heads=12, seed=8)
+    plan = plan_null(sets, TYPE_PAIRS, max_memory=2**30)
+    assert plan.built_heads == 8 * 12  # a source and a target set per weight type, each built once
+    nulls = null_pk_samples(sets, plan)
+    for tp in TYPE_PAIRS:
+        src, tgt = sets[tp[0]][0], sets[tp[1]][1]
+        expected = torch.einsum("adk,bde->abke", src.double(), tgt.double()).square().sum(dim=(2, 3))
+        np.testing.assert_allclose(nulls[tp], expected.reshape(-1).numpy(), atol=1e-4)
 
 
 @pytest.mark.parametrize("type_pair", ["OQ", "OK", "OV", "QQ", "VO"])

@@ -17,7 +17,8 @@ import numpy as np
 from scipy import stats
 import torch
 
-from headgraph.analysis.pk import pair_mask, pk_matrix
+from headgraph.analysis import calibration
+from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_pk
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
@@ -62,10 +63,31 @@ def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: i
     return sets
 
 
-def null_pk_samples(src: torch.Tensor, tgt: torch.Tensor, max_memory: int) -> np.ndarray:
-    """All len(src) x len(tgt) null PK values between null source and null target bases."""
-    mask = pair_mask(torch.zeros(len(src)), torch.ones(len(tgt)), full_matrix=False, same_type=False)
-    return pk_matrix(src, tgt, mask, max_memory).reshape(-1).cpu().numpy()
+def _named_sets(sets: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{t}_{side}": heads for t, pair in sets.items() for side, heads in zip(("source", "target"), pair)}
+
+
+def plan_null(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], type_pairs, max_memory: int) -> PKPlan:
+    """One PK-engine pass for the null of every type pair XY: all n x n pairs of X's source set against Y's
+    target set. Each null set's vectors are built once and shared by every type pair that reads it (16 type
+    pairs build 8 sets, not 32); the formulation is the engine's choice from this machine's measured rates.
+    Raises ValueError when max_memory cannot hold one-head groups."""
+    requests = {tp: PKRequest(f"{tp[0]}_source", f"{tp[1]}_target",
+                              torch.ones(len(sets[tp[0]][0]), len(sets[tp[1]][1]), dtype=torch.bool))
+                for tp in type_pairs}
+    used = {name for r in requests.values() for name in (r.source, r.target)}
+    bases = {name: heads for name, heads in _named_sets(sets).items() if name in used}
+    first = next(iter(bases.values()))
+    rates = calibration.rates(first.device, first.dtype, first.shape[1], max(b.shape[2] for b in bases.values()))
+    return plan_pk({name: tuple(b.shape) for name, b in bases.items()}, requests, first.element_size(), rates,
+                   max_memory)
+
+
+def null_pk_samples(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], plan: PKPlan,
+                    advance=None) -> dict[str, np.ndarray]:
+    """The null PK values of each type pair of `plan` (plan_null), flat: n^2 per type pair."""
+    bases = {name: heads for name, heads in _named_sets(sets).items() if name in plan.shapes}
+    return {tp: pk.reshape(-1).cpu().numpy() for tp, pk in pk_pass(bases, plan, advance).items()}
 
 
 def upper_p(observed: np.ndarray, null: np.ndarray, upper: float,
