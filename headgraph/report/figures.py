@@ -355,10 +355,11 @@ def role_heatmaps(heads, model, tau=3.0):
         return None
     n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["index"].max()) + 1
     nrows, ncols = _grid(len(roles), max_cols=3)
-    cell = 0.42 if n_heads > 8 else 0.6
-    fig, axes = plt.subplots(nrows, ncols, squeeze=False,
-                             figsize=(ncols * (cell * n_heads + 2.2), nrows * (cell * n_layers + 1.4)))
     annotate = n_layers * n_heads <= 256
+    cell = 0.32 if annotate else 0.2  # inches per head: room for a 5.5 pt "12.34", else for the colour alone
+    # each panel: its grid, plus the colour bar and labels beside it and the title and head axis below/above it
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False,
+                             figsize=(ncols * (cell * n_heads + 1.9), nrows * (cell * n_layers + 1.1)))
     for ax, role in zip(axes.flat, roles):
         grid = _layer_head_grid(heads, f"{role}_score")
         if role == "identity":
