@@ -176,20 +176,30 @@ INTERRUPT_IN_REPORT = r"""
 import os, signal, sys
 
 from headgraph.cli import main
-from headgraph.report import report
+from headgraph.report import figures, report
 
-render = report.render_report
+when, leader = sys.argv[1], os.getpid()
+render, save = report.render_report, figures.save_figure
 
-def interrupted(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the report renders
+def before_the_report(*args, **kwargs):
+    os.kill(leader, signal.SIGINT)  # Ctrl-C as the report starts
     return render(*args, **kwargs)
 
-report.render_report = interrupted
-main(sys.argv[1:])
+def while_figures_are_drawn(fig, out_dir, stem):
+    if stem == "fig_kl_heatmap":  # in a figure worker: Ctrl-C at a terminal reaches the whole process group
+        os.killpg(leader, signal.SIGINT)
+    return save(fig, out_dir, stem)
+
+if when == "report":
+    report.render_report = before_the_report
+else:
+    figures.save_figure = while_figures_are_drawn
+main(sys.argv[2:])
 """
 
 
-def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
+@pytest.mark.parametrize("when", ["report", "figures"])
+def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, synthetic_dir, when):
     from _pairs import planted_pairs, run_graph
 
     from headgraph.loader.ladybug_store import LadybugStore
@@ -198,10 +208,16 @@ def test_ctrl_c_during_the_report_stores_no_run(tmp_path, synthetic_dir):
     with LadybugStore(path) as store:
         store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}))
     env = {**os.environ, "NEO4J_URI": ""}
-    process = subprocess.run([sys.executable, "-c", INTERRUPT_IN_REPORT, "analyze", str(synthetic_dir), "--no-roles", "--no-causal",
-                              "--null-heads", "2", "--reference-samples", "100", "--out", str(tmp_path / "run"),
-                              "--db", str(path)], capture_output=True, text=True, env=env, timeout=300)
-    assert process.returncode == 130 and process.stderr.strip().splitlines()[-1] == "aborted", process.stderr
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPT_IN_REPORT, when, "analyze", str(synthetic_dir),
+                                "--no-roles", "--no-causal", "--null-heads", "2", "--reference-samples", "100",
+                                "--out", str(tmp_path / "run"), "--db", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)  # its own process group, as a terminal's job
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "aborted", stderr
+    assert "Traceback" not in stderr and "Process ForkPoolWorker" not in stderr, stderr
+    with pytest.raises(ProcessLookupError):  # no figure worker outlives the command
+        os.killpg(process.pid, 0)
     listed = headgraph("runs", "--format", "json", "--db", str(path), env=env)
     assert [run["id"] for run in json.loads(listed.stdout)] == ["earlier"]
 

@@ -5,10 +5,15 @@ The table builders take a run folder read by headgraph.runs.load_run (or DataFra
 """
 
 import base64
+import contextlib
 import html
 import json
 import math
+import multiprocessing
+import os
 import re
+import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -311,16 +316,48 @@ def selection_figures(run, selected, classes=None):
                            selection=selected.policy.describe())
 
 
+_PENDING: dict = {}  # what forked figure workers draw: {"builders": ..., "out_dir": ...}, set only while they run
+
+
+def _draw(name):
+    fig = _PENDING["builders"][name]()
+    return name, None if fig is None else figures.save_figure(fig, _PENDING["out_dir"], f"fig_{name}")
+
+
+def _figure_workers(n_figures: int) -> int:
+    """Processes to draw figures in: one per CPU (at most 4) where processes fork (Linux), else 1; always 1 in a
+    Jupyter kernel, whose inline backend shows figures in the kernel process itself."""
+    if sys.platform != "linux" or "ipykernel" in sys.modules:
+        return 1
+    return max(1, min(n_figures, os.cpu_count() or 1, 4))
+
+
 def render_figures(builders, out_dir, advance=lambda: None):
     """Write the figures of `builders` (figure_builders) that the run's data allows; {"fig_<name>": {"png": path,
-    "svg": path}}. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar."""
-    paths = {}
-    for name, build in builders.items():
-        fig = build()
-        if fig is not None:
-            paths[f"fig_{name}"] = figures.save_figure(fig, out_dir, f"fig_{name}")
-        advance()
-    return paths
+    "svg": path}} in `builders`' order. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move
+    a progress bar.
+
+    Each figure is one independent drawing (saved as PNG, then SVG), so they are drawn in forked worker
+    processes, the largest (the role heatmaps) first, where `_figure_workers` allows more than one."""
+    workers = _figure_workers(len(builders))
+    drawn = {}
+    _PENDING.update(builders=builders, out_dir=out_dir)
+    try:
+        with contextlib.ExitStack() as stack:
+            order = sorted(builders, key=lambda name: name != "roles")
+            if workers > 1:
+                # Ctrl-C reaches the whole process group: the parent aborts and terminates its workers
+                pool = stack.enter_context(multiprocessing.get_context("fork").Pool(
+                    workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)))
+                results = pool.imap_unordered(_draw, order)
+            else:
+                results = map(_draw, order)
+            for name, paths in results:
+                drawn[name] = paths
+                advance()
+    finally:
+        _PENDING.clear()
+    return {f"fig_{name}": drawn[name] for name in builders if drawn[name] is not None}
 
 
 def _interactive_blocks(run, selected, classes):
