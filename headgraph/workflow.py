@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,6 +57,7 @@ class AnalyzeOutcome:
     graph: RunGraph
     store: str | None
     report: dict[str, Path]
+    timings_s: dict[str, float] = field(default_factory=dict)  # wall seconds of each step in order, then "other"
 
 
 def new_run_id(model_name: str) -> str:
@@ -85,6 +87,13 @@ def _clear_earlier_run(folder: Path) -> None:
         for pattern in (RUN_FILE, PAIRS_FILE, HEADS_FILE, STABILITY_FILE, "report.md", "report.html", "fig_*.png", "fig_*.svg"):
             for path in folder.glob(pattern):
                 path.unlink()
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], step: str):
+    start = time.perf_counter()
+    yield
+    timings[step] = round(time.perf_counter() - start, 3)
 
 
 def _inputs_seed(options: AnalyzeOptions) -> int:
@@ -128,6 +137,7 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
 
     model: a name or folder, or a model already loaded (a transformers PreTrainedModel, with `tokenizer` or the
     one saved beside it, or a TransformerBridge): headgraph.loader.models.load_model takes each the same way."""
+    start = time.perf_counter()
     from headgraph.analysis.classes import load_classes
     from headgraph.loader.models import describe_model, load_model
     from headgraph.pipeline import analyze, resolve_device
@@ -142,7 +152,8 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
         raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
 
-    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext():
+    timings: dict[str, float] = {}
+    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext(), _timed(timings, "load"):
         model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
     if options.roles:
         from headgraph.analysis.roles import check_tokenizer
@@ -152,38 +163,51 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     if options.causal:
         from headgraph.analysis.causal import CausalStage
 
-        causal = CausalStage.prepare(model, options.causal, _inputs_seed(options))
-    result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console, progress=progress)
+        with _timed(timings, "causal_inputs"):
+            causal = CausalStage.prepare(model, options.causal, _inputs_seed(options))
+    with _timed(timings, "pk_and_significance"):
+        result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console,
+                         progress=progress)
     run_id = new_run_id(model.name)
     folder = Path(options.out_dir or Path("runs") / run_id)
     result.run = dataclasses.replace(result.run, id=run_id, out_dir=str(folder.resolve()),
                                      selection=options.policy.describe(), sweep=options.sweep, step=options.step)
     with progress_bar(console, progress) as bar:
         if options.roles:
-            _add_roles(result, model, options, bar)
-        effects = causal is not None and _add_local_effects(result, causal, _inputs_seed(options), console, bar)
-        selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
+            with _timed(timings, "roles"):
+                _add_roles(result, model, options, bar)
+        effects = False
+        if causal is not None:
+            with _timed(timings, "causal_local"):
+                effects = _add_local_effects(result, causal, _inputs_seed(options), console, bar)
+        with _timed(timings, "selection_and_centrality"):
+            selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         if effects and options.causal.loss:
-            selected = _add_loss_effects(result, selected, causal, _inputs_seed(options), bar)
-        _clear_earlier_run(folder)
-        write_run(result, folder)
+            with _timed(timings, "causal_loss"):
+                selected = _add_loss_effects(result, selected, causal, _inputs_seed(options), bar)
+        with _timed(timings, "artifacts"):
+            _clear_earlier_run(folder)
+            write_run(result, folder)
         run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
         if options.stability:
-            run_stability(run, console=console, progress=progress)
+            with _timed(timings, "stability"):
+                run_stability(run, console=console, progress=progress)
         paths = {}
         if options.report:
             from headgraph.report.report import FIGURE_COUNT
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            paths = render_report(run, policy=options.policy, classes=classes, advance=lambda: bar.advance(task),
-                                  selected=selected)
+            with _timed(timings, "report"):
+                paths = render_report(run, policy=options.policy, classes=classes,
+                                      advance=lambda: bar.advance(task), selected=selected)
         graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
         if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
             task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
-            with options.store.open() as store:
+            with _timed(timings, "store"), options.store.open() as store:
                 store.load_run(graph)
             bar.advance(task)
-    return AnalyzeOutcome(folder, result, selected, graph, store_description, paths)
+    timings["other"] = round(time.perf_counter() - start - sum(timings.values()), 3)  # imports, checks, graph rows
+    return AnalyzeOutcome(folder, result, selected, graph, store_description, paths, timings)
 
 
 def rerun_options(run: Run) -> AnalyzeOptions:

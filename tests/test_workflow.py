@@ -38,6 +38,14 @@ def test_summary_puts_the_planted_hub_first(analyzed):
     assert summary["folder"] == str(out)
 
 
+def test_the_summary_says_where_the_time_went(analyzed):
+    *_, summary = analyzed
+    steps = ["load", "causal_inputs", "pk_and_significance", "roles", "causal_local", "selection_and_centrality",
+             "causal_loss", "artifacts", "report", "store", "other"]
+    assert list(summary["timings_s"]) == steps  # in the order they ran; no step of this run is missing
+    assert all(seconds >= 0 for seconds in summary["timings_s"].values())
+
+
 def test_stored_graph_answers_the_hubs_query(analyzed):
     truth, db, _, summary = analyzed
     done = headgraph("query", "hubs", "--db", str(db), "--run", summary["run_id"], "--format", "json")

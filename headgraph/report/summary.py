@@ -62,6 +62,7 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
         "folder": str(outcome.folder),
         "store": outcome.store,
         "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},
+        "timings_s": outcome.timings_s,
     }
 
 
@@ -121,6 +122,9 @@ def print_summary(data: dict, console: Console) -> None:
     console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
     for name, path in data["report"].items():
         console.print(f"{name}: {path}")
+    steps = data["timings_s"]
+    console.print(f"time: {sum(steps.values()):.1f} s (" + ", ".join(f"{step.replace('_', ' ')} {s:.1f}"
+                                                                  for step, s in steps.items()) + ")")
 
 
 def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: float) -> dict:
