@@ -136,32 +136,40 @@ def _resampled_ranks(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return ranks[:, item]
 
 
-def spearman_interval(x: np.ndarray, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
-                      confidence: float = 0.95) -> tuple[float, float, float]:
-    """Spearman's rho of x and y and its percentile bootstrap interval over pairs: each resample's rho is the
-    count-weighted Pearson correlation of the resample's own average ranks (`_resampled_ranks`), all at once.
+def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
+                       confidence: float = 0.95) -> list[tuple[float, float, float]]:
+    """Spearman's rho of each x in `xs` with y and its percentile bootstrap interval over pairs, every x on the
+    same resamples (drawn once, and y ranked once in each): a resample's rho is the count-weighted Pearson
+    correlation of the resample's own average ranks (`_resampled_ranks`), all resamples at once.
 
     >>> x = np.arange(50.0)
-    >>> rho, lo, hi = spearman_interval(x, x ** 3)  # monotone: rank correlation 1 in every resample
-    >>> round(rho, 9), round(lo, 9), round(hi, 9)
-    (1.0, 1.0, 1.0)
+    >>> [tuple(round(v, 9) for v in r) for r in spearman_intervals([x, -x], x ** 3)]  # monotone: every resample
+    [(1.0, 1.0, 1.0), (-1.0, -1.0, -1.0)]
     """
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    n = len(x)
+    y = np.asarray(y, float)
+    n = len(y)
     if n < 3:
-        return float("nan"), float("nan"), float("nan")
-    rho = float(stats.spearmanr(x, y).statistic)
-    counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(float)
-    rx, ry = _resampled_ranks(x, counts), _resampled_ranks(y, counts)
-    mx, my = np.einsum("bi,bi->b", counts, rx) / n, np.einsum("bi,bi->b", counts, ry) / n
-    sxy = np.einsum("bi,bi,bi->b", counts, rx, ry) - n * mx * my
-    sxx = np.einsum("bi,bi,bi->b", counts, rx, rx) - n * mx**2
+        return [(float("nan"),) * 3 for _ in xs]
+    # n draws with replacement per resample, as copies per pair: multinomial counts, drawn as a bincount
+    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
+    counts = np.bincount(draws.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(float)
+    ry = _resampled_ranks(y, counts)
+    my = np.einsum("bi,bi->b", counts, ry) / n
     syy = np.einsum("bi,bi,bi->b", counts, ry, ry) - n * my**2
-    with np.errstate(invalid="ignore", divide="ignore"):
-        boot = sxy / np.sqrt(sxx * syy)
     tail = 50.0 * (1.0 - confidence)
-    lo, hi = np.nanpercentile(boot, [tail, 100 - tail]) if np.isfinite(boot).any() else (np.nan, np.nan)
-    return rho, float(lo), float(hi)
+    results = []
+    for x in xs:
+        x = np.asarray(x, float)
+        rho = float(stats.spearmanr(x, y).statistic)
+        rx = _resampled_ranks(x, counts)
+        mx = np.einsum("bi,bi->b", counts, rx) / n
+        sxy = np.einsum("bi,bi,bi->b", counts, rx, ry) - n * mx * my
+        sxx = np.einsum("bi,bi,bi->b", counts, rx, rx) - n * mx**2
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = sxy / np.sqrt(sxx * syy)
+        lo, hi = np.nanpercentile(boot, [tail, 100 - tail]) if np.isfinite(boot).any() else (np.nan, np.nan)
+        results.append((rho, float(lo), float(hi)))
+    return results
 
 
 def causal_evaluation(pairs: pd.DataFrame, threshold: float = CAUSAL_THRESHOLD, k: int = 20, n_boot: int = 1000,
@@ -174,22 +182,28 @@ def causal_evaluation(pairs: pd.DataFrame, threshold: float = CAUSAL_THRESHOLD, 
     if "effect" not in pairs.columns or pairs["effect"].isna().all():
         raise UsageError("this run has no causal effects: rerun `headgraph analyze` without --no-causal")
     typed = typed_pairs(pairs.dropna(subset=["effect"]), COMPOSITION_TYPES)
-    rows = []
-    for metric in metrics:
-        for scope in COMPOSITION_TYPES:
-            part = typed[typed["type"] == scope].dropna(subset=[metric])
+    rows = {}
+    for scope in COMPOSITION_TYPES:
+        of_type = typed[typed["type"] == scope]
+        defined = {metric: of_type[metric].notna().to_numpy() for metric in metrics}
+        for key in dict.fromkeys(mask.tobytes() for mask in defined.values()):  # metrics on the same pairs
+            group = [metric for metric in metrics if defined[metric].tobytes() == key]
+            part = of_type[defined[group[0]]]
             if part.empty:
                 continue
             labels = causal_pairs(part, threshold)
-            rho, lo, hi = spearman_interval(part[metric].to_numpy(), part["effect"].to_numpy(), n_boot, seed)
-            ranked = part.sort_values(metric, ascending=False, kind="stable")
-            top = ranked.head(k)
-            rows.append({"metric": metric, "scope": scope, "pairs": len(part), "causal": int(labels.sum()),
-                         "spearman": rho, "spearman_lo": lo, "spearman_hi": hi,
-                         "roc_auc": roc_auc(part[metric].to_numpy(), labels),
-                         "pr_auc": average_precision(part[metric].to_numpy(), labels),
-                         "precision_at_k": float(causal_pairs(top, threshold).mean()), "k": len(top),
-                         "r_precision": float(causal_pairs(ranked.head(labels.sum()), threshold).mean())
-                         if labels.any() else float("nan"),
-                         "base_rate": float(labels.mean())})
+            rhos = spearman_intervals([part[m].to_numpy() for m in group], part["effect"].to_numpy(), n_boot, seed)
+            for metric, (rho, lo, hi) in zip(group, rhos):
+                ranked = part.sort_values(metric, ascending=False, kind="stable")
+                top = ranked.head(k)
+                rows[metric, scope] = {
+                    "metric": metric, "scope": scope, "pairs": len(part), "causal": int(labels.sum()),
+                    "spearman": rho, "spearman_lo": lo, "spearman_hi": hi,
+                    "roc_auc": roc_auc(part[metric].to_numpy(), labels),
+                    "pr_auc": average_precision(part[metric].to_numpy(), labels),
+                    "precision_at_k": float(causal_pairs(top, threshold).mean()), "k": len(top),
+                    "r_precision": float(causal_pairs(ranked.head(labels.sum()), threshold).mean())
+                    if labels.any() else float("nan"),
+                    "base_rate": float(labels.mean())}
+    rows = [rows[key] for key in sorted(rows, key=lambda key: (metrics.index(key[0]), COMPOSITION_TYPES.index(key[1])))]
     return pd.DataFrame(rows)
