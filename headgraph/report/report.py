@@ -332,32 +332,37 @@ def _figure_workers(n_figures: int) -> int:
     return max(1, min(n_figures, os.cpu_count() or 1, 4))
 
 
-def render_figures(builders, out_dir, advance=lambda: None):
-    """Write the figures of `builders` (figure_builders) that the run's data allows; {"fig_<name>": {"png": path,
-    "svg": path}} in `builders`' order. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move
-    a progress bar.
+@contextlib.contextmanager
+def drawing_figures(builders, out_dir, advance=lambda: None):
+    """Draw the figures of `builders` (figure_builders) that the run's data allows while the enclosed code runs;
+    yields a function that waits for them and returns {"fig_<name>": {"png": path, "svg": path}} in `builders`'
+    order. advance() is called after each figure (FIGURE_COUNT calls), e.g. to move a progress bar.
 
     Each figure is one independent drawing (saved as PNG, then SVG), so they are drawn in forked worker
-    processes, the largest (the role heatmaps) first, where `_figure_workers` allows more than one."""
+    processes, the largest (the role heatmaps) first, where `_figure_workers` allows more than one; else one
+    after another when the function is called."""
     workers = _figure_workers(len(builders))
-    drawn = {}
+    order = sorted(builders, key=lambda name: name != "roles")
+
+    def collect(results):
+        drawn = {}
+        for name, paths in results:
+            drawn[name] = paths
+            advance()
+        return {f"fig_{name}": drawn[name] for name in builders if drawn[name] is not None}
+
     _PENDING.update(builders=builders, out_dir=out_dir)
     try:
-        with contextlib.ExitStack() as stack:
-            order = sorted(builders, key=lambda name: name != "roles")
-            if workers > 1:
-                # Ctrl-C reaches the whole process group: the parent aborts and terminates its workers
-                pool = stack.enter_context(multiprocessing.get_context("fork").Pool(
-                    workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)))
-                results = pool.imap_unordered(_draw, order)
-            else:
-                results = map(_draw, order)
-            for name, paths in results:
-                drawn[name] = paths
-                advance()
+        if workers == 1:
+            yield lambda: collect(map(_draw, order))
+            return
+        # Ctrl-C reaches the whole process group: the parent aborts and terminates its workers
+        with multiprocessing.get_context("fork").Pool(workers, initializer=signal.signal,
+                                                      initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+            results = pool.imap_unordered(_draw, order)
+            yield lambda: collect(results)
     finally:
         _PENDING.clear()
-    return {f"fig_{name}": drawn[name] for name in builders if drawn[name] is not None}
 
 
 def _interactive_blocks(run, selected, classes):
@@ -392,8 +397,13 @@ def _stability_blocks(run):
     return [("h", 2, "Stability"), ("p", text), ("table", summary_rows(report))]
 
 
-def _causal_blocks(run, figs):
-    """"Do the edges carry information?": the strongest effects, PK and CS judged against them, the scatter."""
+def _has_effects(run) -> bool:
+    return run.record.causal is not None and "skipped" not in run.record.causal
+
+
+def _causal_blocks(run, figs, table):
+    """"Do the edges carry information?": the strongest effects, PK and CS judged against them (`table`:
+    causal_evaluation), the scatter."""
     causal = run.record.causal
     if causal is None:
         return []
@@ -416,7 +426,6 @@ def _causal_blocks(run, figs):
     blocks += [("p", "Largest local effects per type:"),
                ("table", strongest.sort_values(["kind", "effect"], ascending=[True, False])[columns]
                 .reset_index(drop=True))]
-    table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD)
     blocks += [("p", f"PK and CS against the effects. {CAUSAL_DEFINITION.format(threshold=CAUSAL_THRESHOLD)}. "
                      "`spearman` with its 95 % bootstrap interval over pairs (pairs share heads: the interval is "
                      "optimistic); ROC / PR-AUC at finding the causal pairs; precision of the top-k pairs and of "
@@ -427,9 +436,9 @@ def _causal_blocks(run, figs):
     return blocks
 
 
-def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None):
+def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None, causal_table=None):
     """The report as blocks (see `to_markdown`); selected: the SelectedGraph of `edges`, drawn interactively in
-    report.html when given."""
+    report.html when given; causal_table: causal_evaluation of the run's pairs when it has effects."""
     summary = type_summary(run)
     blocks = [("h", 1, f"headgraph report — {run.model}"),
               ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
@@ -467,7 +476,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None,
         blocks += [("p", "Heads with a significant role, per layer:"), ("table", roles)]
     if "fig_roles" in figs:
         blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
-    blocks += _causal_blocks(run, figs)
+    blocks += _causal_blocks(run, figs, causal_table)
     blocks += _stability_blocks(run)
     if evaluation is not None:
         blocks += [("h", 2, "Known head classes"),
@@ -493,9 +502,12 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
     edges = selected.edges
     hubs = hub_table(selected.hubs, run.heads)
-    figs = render_figures(selection_figures(run, selected, classes), out_dir, advance=advance)
-    evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
-    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected)
+    with drawing_figures(selection_figures(run, selected, classes), out_dir, advance=advance) as figures_drawn:
+        # the evaluations while the figures are drawn
+        evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
+        causal_table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD) if _has_effects(run) else None
+        figs = figures_drawn()
+    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected, causal_table)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
     paths["report.md"].write_text(to_markdown(blocks))
     paths["report.html"].write_text(to_html(blocks, f"headgraph report — {run.model}"))
