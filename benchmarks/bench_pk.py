@@ -1,6 +1,6 @@
 """Benchmark (run by hand): headgraph's PK engine vs TransformerLens vs a per-pair scipy loop, same inputs, one run.
 
-    python3 benchmarks/bench_pk.py --only gpt2            # GPT-2-small shape, then a whole analyze per stage
+    python3 benchmarks/bench_pk.py --only gpt2            # GPT-2-small shape, then a whole analyze per step
     python3 benchmarks/bench_pk.py --device cuda          # on a GPU (also the large shape, 32 layers)
 
 Fair by construction: random Gaussian weights in TransformerLens layout; every engine is warmed up (one untimed
@@ -19,8 +19,9 @@ Printed: `headgraph N.Nx faster` (O -> Q/K/V vs TransformerLens), `16 types:` (a
 time over TransformerLens' O -> Q/K/V time), the floor (FLOPs of the lowest-FLOP formulation at the measured
 fp32 GEMM peak, best of square matmuls before and after, and the fraction of that peak headgraph's PK reaches),
 peak memory above the inputs (CUDA: max_memory_allocated; CPU: resident set sampled every 5 ms), and a
-per-stage table of whole `headgraph analyze` processes (fresh, cold, as a user runs them) on a saved
-random-init GPT-2-small folder: --no-roles --no-report --no-store, the PK stages only.
+per-step table of whole default `headgraph analyze` processes (fresh, cold, as a user runs them: roles, causal
+effects, report and an embedded store included; the PK stages broken out) on a saved random-init GPT-2-small
+folder.
 """
 
 import argparse
@@ -269,40 +270,44 @@ def bench(shape: Shape, device: str, args) -> None:
 ANALYZE_STAGES = ("subspaces", "projection_kernel", "reference", "model_null", "composition")
 
 
-def analyze_stages(device: str, types: str, folder: Path, out: Path, max_memory: str) -> dict:
-    """One whole `headgraph analyze` process on the folder: wall time and run.json's stage timings."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def analyze_steps(device: str, types: str, folder: Path, work: Path, max_memory: str) -> dict:
+    """One whole default `headgraph analyze` process on the folder (roles, causal effects, report and an embedded
+    store included): its wall time, the summary's seconds per step, and run.json's seconds per PK stage."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NEO4J_URI": ""}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "headgraph", "analyze", str(folder), "--types", types, "--device", device,
-                    "--out", str(out), "--max-memory", max_memory, "--no-roles", "--no-report", "--no-store"],
-                   env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", "headgraph", "analyze", str(folder), "--types", types, "--device",
+                           device, "--out", str(work / "run"), "--db", str(work / "graph.lbdb"), "--max-memory",
+                           max_memory, "--json"], env=env, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    run = json.loads((out / "run.json").read_text())
-    return {"wall": wall, **run["timings_s"], "formulation": run["engine"]["pass"]["formulation"]}
+    run = json.loads((work / "run" / "run.json").read_text())
+    steps = json.loads(done.stdout)["timings_s"]
+    return {"wall": wall, "steps": steps, "stages": run["timings_s"], "formulation": run["engine"]["pass"]["formulation"]}
 
 
 def bench_analyze(device: str, repeat: int, max_memory: str) -> None:
     from headgraph.testing.synthetic import save_synthetic
 
-    print(f"\n== whole `headgraph analyze` processes: random-init GPT-2 small (saved folder, vocab 512), device "
-          f"{device}, --no-roles --no-report --no-store; each a fresh process ==")
+    print(f"\n== whole `headgraph analyze` processes (defaults: roles, causal effects, report, embedded store), "
+          f"random-init GPT-2 small (saved folder, vocab 512), device {device}; each a fresh process ==")
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_synthetic(Path(tmp) / "gpt2-small-random", n_layers=12, n_heads=12, d_model=768, d_head=64,
                                 n_ctx=1024)
-        runs = {types: [analyze_stages(device, types, folder, Path(tmp) / f"run-{types}-{i}", max_memory)
-                        for i in range(repeat)] for types in ("oq,ok,ov", "all")}
-    header = f"  {'stage (s)':<22}" + "".join(f"{f'{t} #{i + 1}':>12}" for t in runs for i in range(repeat))
-    print(header)
-    rows = (*ANALYZE_STAGES, "rest (start, load, write)", "process wall")
-    for row in rows:
-        cells = []
-        for results in runs.values():
-            for r in results:
-                value = (r["wall"] - sum(r[s] for s in ANALYZE_STAGES) if row.startswith("rest")
-                         else r["wall"] if row == "process wall" else r[row])
-                cells.append(f"{value:12.2f}")
-        print(f"  {row:<22}" + "".join(cells))
+        runs = {}
+        for types in ("oq,ok,ov", "all"):
+            runs[types] = []
+            for i in range(repeat):
+                work = Path(tmp) / f"{types}-{i}"
+                work.mkdir()
+                runs[types].append(analyze_steps(device, types, folder, work, max_memory))
+    first = next(iter(runs.values()))[0]
+    rows = [(step, lambda r, step=step: r["steps"].get(step, 0.0)) for step in first["steps"]]
+    at = [name for name, _ in rows].index("pk_and_significance") + 1
+    rows[at:at] = [(f"  {stage}", lambda r, stage=stage: r["stages"][stage]) for stage in ANALYZE_STAGES]
+    rows += [("python start, imports", lambda r: r["wall"] - sum(r["steps"].values())),
+             ("process wall", lambda r: r["wall"])]
+    print(f"  {'step (s)':<26}" + "".join(f"{f'{t} #{i + 1}':>12}" for t in runs for i in range(repeat)))
+    for name, value in rows:
+        print(f"  {name:<26}" + "".join(f"{value(r):12.2f}" for results in runs.values() for r in results))
     print(f"  formulation: {', '.join(sorted({r['formulation'] for rs in runs.values() for r in rs}))}")
 
 
@@ -315,7 +320,7 @@ def main():
     parser.add_argument("--scipy-pairs", type=int, default=60, help="pairs timed in the scipy loop")
     parser.add_argument("--gemm-n", type=int, default=None, help="square GEMM size for the FLOP/s peak")
     parser.add_argument("--skip-tl", action="store_true", help="skip TransformerLens (e.g. on a huge shape)")
-    parser.add_argument("--skip-analyze", action="store_true", help="skip the whole-analyze stage table")
+    parser.add_argument("--skip-analyze", action="store_true", help="skip the whole-analyze step table")
     parser.add_argument("--analyze-repeat", type=int, default=None, help="analyze processes per type set "
                         "(default: --repeat)")
     parser.add_argument("--max-memory", default="2GiB", help="the engine's working-memory budget (as analyze's)")
