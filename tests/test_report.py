@@ -51,6 +51,22 @@ def test_all_figures_and_reports_are_written(rendered):
     assert rendered["md"].startswith("# headgraph report — planted-4x4")
 
 
+def _render_elsewhere(folder, out_dir):
+    return sorted(name for name in render_report(folder, policy=SelectionPolicy(top_k=TOP_K), classes=CLASSES,
+                                                 out_dir=out_dir) if name.startswith("fig_"))
+
+
+def test_a_report_rendered_in_a_pool_worker_has_every_figure(rendered, tmp_path):
+    import multiprocessing
+
+    # a daemonic worker may not fork figure workers of its own: it draws them itself, all of them
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        names = pool.apply(_render_elsewhere, (rendered["dir"], tmp_path))
+    assert names == sorted(f"{name}.{ext}" for name in FIGURES for ext in ("png", "svg"))
+    for name in names:
+        assert (tmp_path / name).stat().st_size > 0
+
+
 def test_report_states_settings_and_nulls(rendered):
     md, meta = rendered["md"], rendered["meta"]
     for value in (meta["processing"], meta["dtype"], meta["device"], *meta["nulls"].values()):

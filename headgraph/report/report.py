@@ -326,8 +326,9 @@ def _draw(name):
 
 def _figure_workers(n_figures: int) -> int:
     """Processes to draw figures in: one per CPU (at most 4) where processes fork (Linux), else 1; always 1 in a
-    Jupyter kernel, whose inline backend shows figures in the kernel process itself."""
-    if sys.platform != "linux" or "ipykernel" in sys.modules:
+    Jupyter kernel, whose inline backend shows figures in the kernel process itself, and in a daemonic process
+    (a multiprocessing.Pool worker), which may not have children."""
+    if sys.platform != "linux" or "ipykernel" in sys.modules or multiprocessing.current_process().daemon:
         return 1
     return max(1, min(n_figures, os.cpu_count() or 1, 4))
 
