@@ -27,15 +27,6 @@ MEASURES = (
 COUNT_MEASURES = ("degree", "in_degree", "out_degree")
 
 
-def head_graph(edges: pd.DataFrame, heads: list[str]) -> nx.MultiDiGraph:
-    """All heads as nodes, one directed edge per selected typed edge (attributes kind, pk)."""
-    graph = nx.from_pandas_edgelist(
-        edges, "source", "target", edge_attr=["kind", "pk"], create_using=nx.MultiDiGraph
-    )
-    graph.add_nodes_from(heads)
-    return graph
-
-
 def pair_graph(edges: pd.DataFrame, heads: list[str]) -> nx.DiGraph:
     """One edge per (source, target) head pair, weighted by PK summed over the pair's weight-pair types."""
     weights = edges.groupby(["source", "target"], as_index=False)["pk"].sum().rename(columns={"pk": "weight"})
@@ -71,17 +62,21 @@ def head_centrality(edges: pd.DataFrame, heads: list[str]) -> pd.DataFrame:
 
     (No head lies between two others: the direct edge L0H0 -> L2H0 is shorter than the route through L1H0.)
     """
-    graph = head_graph(edges, heads)
     pairs = pair_graph(edges, heads)
     hubs, authorities = _hits(pairs)
+    # degrees of the typed multigraph, straight from the edge rows (a self-pair counts in and out, as in networkx)
+    incoming, outgoing = edges.groupby("target")["pk"], edges.groupby("source")["pk"]
+    counts = {"in_degree": incoming.size(), "out_degree": outgoing.size(),
+              "weighted_in": incoming.sum(), "weighted_out": outgoing.sum()}
+    counts = {name: column.reindex(heads, fill_value=0) for name, column in counts.items()}
     table = pd.DataFrame(
         {
-            "in_degree": dict(graph.in_degree()),
-            "out_degree": dict(graph.out_degree()),
-            "degree": dict(graph.degree()),
-            "weighted_in": dict(graph.in_degree(weight="pk")),
-            "weighted_out": dict(graph.out_degree(weight="pk")),
-            "weighted_degree": dict(graph.degree(weight="pk")),
+            "in_degree": counts["in_degree"],
+            "out_degree": counts["out_degree"],
+            "degree": counts["in_degree"] + counts["out_degree"],
+            "weighted_in": counts["weighted_in"],
+            "weighted_out": counts["weighted_out"],
+            "weighted_degree": counts["weighted_in"] + counts["weighted_out"],
             "pagerank": nx.pagerank(pairs, weight="weight"),
             "hits_hub": hubs,
             "hits_authority": authorities,
