@@ -222,6 +222,17 @@ def test_loss_effect_of_patching_a_sender_with_itself_is_zero(synthetic_dir):
 
 # ---------- batched == one pair at a time ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("processing", ["raw", "tl"])
+def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(processing, monkeypatch):
+    model = load_model("induction-2l", processing=processing, device="cpu")  # trained: LayerNorm weights not 1
+    inputs = repeated_token_inputs(model.tokenizer, 12, seed=3, length=10)
+    factored = C.local_effects(model, inputs, n_boot=50)
+    monkeypatch.setattr(C._Net, "layer_norm", lambda self, layer, which: None)  # no factoring: LN(x + Δ) − LN(x)
+    recomputed = C.local_effects(model, inputs, n_boot=50)
+    assert factored.effect.max() > 0.3  # the induction circuit's keys move
+    np.testing.assert_allclose(factored.effect, recomputed.effect, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("processing, ablation", [("raw", "resample"), ("tl", "mean")])
 def test_batched_effects_equal_one_pair_at_a_time_through_hooks(planted, processing, ablation):
     """Pairs of every layer pair and type of a 3-layer model (padded IOI prompts, batches of 3) against

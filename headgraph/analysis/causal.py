@@ -34,7 +34,8 @@ Computation: each receiver layer's attention is recomputed from its input with t
 LayerNorm modules (checked against the model's own `hook_z` on every batch; models it cannot reproduce, e.g.
 rotary or grouped-query attention, raise UsageError). All senders of one layer × all receivers of one later
 layer are one batched tensor operation, no Python loop over head pairs: cost ≈ pairs × tokens × d_model ×
-d_head per type, plus the patched attention rows. `loss_effects` stacks the edges' patched copies of a batch into shared forward passes.
+d_head per type (pre-LN models with LayerNorm: pairs × tokens × d_head², the senders' Δz projected through
+W_O Γ W, `_FactoredChange`), plus the patched attention rows. `loss_effects` stacks the edges' patched copies of a batch into shared forward passes.
 
 >>> import tempfile
 >>> from headgraph.analysis.prompts import repeated_token_inputs
@@ -236,18 +237,35 @@ class _Net:
     weights: dict[str, torch.Tensor]  # W_Q/W_K/W_V [L, H, d, e], b_Q/b_K/b_V [L, H, e], W_O [L, H, e, d]
     gram: torch.Tensor  # W_O W_O^T [L, H, e, e]: ||z W_O||^2 = z G z^T
 
-    def norm(self, layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
-        """The model's own LayerNorm ln{which} of `layer` applied to x: where the bridge runs the wrapped
-        torch LayerNorm (observed without hooks, its numerics exactly), that module's layer_norm directly, which
-        spares the bridge's hook-point statistics; else the bridge's forward (not __call__: the block's capture
-        hooks on ln1 would hold on to x)."""
+    def native_norm(self, layer: int, which: int) -> torch.nn.LayerNorm | None:
+        """The torch LayerNorm ln{which} of `layer` wraps where the bridge runs it as it is (observed without
+        hooks, its numerics exactly), else None."""
         bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
         wrapped = bridge_norm.original_component
         native = bridge_norm.use_native_layernorm_autograd or getattr(bridge_norm.config, "layer_norm_folding", False)
-        if native and type(wrapped) is torch.nn.LayerNorm and x.dtype in (torch.float32, torch.float64):
+        return wrapped if native and type(wrapped) is torch.nn.LayerNorm else None
+
+    def layer_norm(self, layer: int, which: int) -> tuple[torch.Tensor | None, float] | None:
+        """(weight γ or None, eps) where ln{which} of `layer` computes γ·c(x)/sqrt(mean(c(x)²) + eps) + β
+        with c the centring (a LayerNorm, natively or by the bridge's own forward), None otherwise (RMSNorm)."""
+        wrapped = self.native_norm(layer, which)
+        if wrapped is not None:
+            return wrapped.weight, wrapped.eps
+        bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
+        if bridge_norm.uses_rms_norm:
+            return None
+        weight = bridge_norm.weight
+        return (1.0 + weight if bridge_norm.uses_weight_offset else weight), getattr(bridge_norm.config, "eps", 1e-5)
+
+    def norm(self, layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """The model's own LayerNorm ln{which} of `layer` applied to x: the native module's layer_norm directly
+        where there is one (`native_norm`; it spares the bridge's hook-point statistics), else the bridge's
+        forward (not __call__: the block's capture hooks on ln1 would hold on to x)."""
+        wrapped = self.native_norm(layer, which)
+        if wrapped is not None and x.dtype in (torch.float32, torch.float64):
             return torch.nn.functional.layer_norm(x, wrapped.normalized_shape, wrapped.weight, wrapped.bias,
                                                   wrapped.eps)
-        return bridge_norm.forward(x)
+        return getattr(self.bridge.blocks[layer], f"ln{which}").forward(x)
 
 
 def _network(model, probe: TokenInputs) -> _Net:
@@ -406,11 +424,73 @@ def _input_change(net: _Net, batch: _Batch, recv: _Layer, layer: int, delta: tor
     return net.norm(layer, 1, batch.resid[layer] + delta) - recv.x
 
 
-def _patched_pattern(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: str, heads: slice
-                     ) -> torch.Tensor:
+def _project(net: _Net, layer: int, dx: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
+    """dx [S, b, T, d] read by the `kind` (Q, K or V) weights of the receiver heads `heads`: [S, b, T, h, e]."""
+    return torch.einsum("sbtd,hde->sbthe", dx, net.weights[f"W_{kind}"][layer, heads])
+
+
+class _FactoredChange:
+    """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
+    [b, T, S, e] instead of Δ [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its weight,
+    LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz (W_O Γ W) − mean(Δ) (1ᵀ Γ W).
+    The d × d projection per sender becomes an e × (H e) one (d/e times fewer FLOPs); the result equals
+    `_project` of `_input_change` up to rounding (tested against it and against hooked runs)."""
+
+    def __init__(self, net: _Net, batch: _Batch, sender_layer: int, heads: slice, delta: torch.Tensor,
+                 mixed: "_MixedWeights"):
+        self.net, self.batch, self.sender_layer, self.heads, self.mixed = net, batch, sender_layer, heads, mixed
+        self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
+        self.delta = delta
+        self.delta_mean = delta.mean(-1)  # [S, b, T]
+        self.delta_var = delta.pow(2).mean(-1) - self.delta_mean.pow(2)
+        self._receivers: dict[int, tuple] = {}
+
+    def _receiver(self, layer: int) -> tuple:
+        """Per receiver layer: c(x), γ, the scales 1/σ' and 1/σ' − 1/σ [S, b, T] and γ·c(x) W per kind (lazily)."""
+        if layer not in self._receivers:
+            gamma, eps = self.net.layer_norm(layer, 1)
+            x = self.batch.resid[layer]
+            centred = x - x.mean(-1, keepdim=True)
+            gamma = torch.ones(x.shape[-1]) if gamma is None else gamma.detach()
+            var = centred.pow(2).mean(-1)  # [b, T]
+            var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / x.shape[-1] + self.delta_var
+            inv_new = (var_new + eps).clamp(min=eps).rsqrt()  # 1/σ' [S, b, T]
+            self._receivers[layer] = (centred, gamma.to(x), inv_new, inv_new - (var + eps).rsqrt(), {})
+        return self._receivers[layer]
+
+    def project(self, layer: int, kind: str) -> torch.Tensor:
+        centred, gamma, inv_new, inv_change, clean = self._receiver(layer)
+        w = self.net.weights[f"W_{kind}"][layer]  # [H, d, e]
+        scaled = gamma[None, :, None] * w  # Γ W
+        if kind not in clean:
+            clean[kind] = torch.einsum("btd,hde->bthe", centred * gamma, w)  # γ·c(x) W
+        mixed = self.mixed.get(self.sender_layer, self.heads, layer, kind, scaled)
+        change = torch.einsum("btse,sehf->sbthf", self.dz, mixed)  # Δz W_O Γ W, then in place: γ·c(Δ) W / σ'
+        change.sub_(self.delta_mean[..., None, None] * scaled.sum(1)).mul_(inv_new[..., None, None])
+        return change.addcmul_(inv_change[..., None, None], clean[kind])
+
+
+class _MixedWeights:
+    """W_O[s] Γ W [S, e, H, e] of each (sender layer, sender heads, receiver layer, kind), the same for every
+    batch: kept while they fit `budget` bytes, computed again per batch beyond that."""
+
+    def __init__(self, w_o: torch.Tensor, budget: int):
+        self.w_o, self.budget, self.budget_total, self.kept = w_o, budget, budget, {}
+
+    def get(self, sender_layer: int, heads: slice, layer: int, kind: str, scaled: torch.Tensor) -> torch.Tensor:
+        key = (sender_layer, heads.start, layer, kind)
+        if key in self.kept:
+            return self.kept[key]
+        mixed = torch.einsum("sed,hdf->sehf", self.w_o[sender_layer, heads], scaled)
+        if mixed.numel() * mixed.element_size() <= self.budget:
+            self.kept[key] = mixed
+            self.budget -= mixed.numel() * mixed.element_size()
+        return mixed
+
+
+def _patched_pattern(net: _Net, recv: _Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
     """Attention [S, b, h, T, T] of the receiver heads `heads` when only their queries (kind Q) or keys (K)
-    read the changed input."""
-    d = torch.einsum("sbtd,hde->sbthe", dx, net.weights[f"W_{kind}"][layer, heads])
+    change by d [S, b, T, h, e] (the changed input, projected)."""
     if kind == "Q":
         change = torch.einsum("sbqhe,bkhe->sbhqk", d, recv.k[:, :, heads])
     else:
@@ -418,9 +498,9 @@ def _patched_pattern(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind
     return torch.softmax(recv.scores[:, heads] + change * net.scale, -1)
 
 
-def _value_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, heads: slice) -> torch.Tensor:
-    """Change of z [S, b, T, h, e] of the receiver heads `heads` when only their values read the changed input."""
-    dv = torch.einsum("sbtd,hde->sbthe", dx, net.weights["W_V"][layer, heads])
+def _value_change(recv: _Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
+    """Change of z [S, b, T, h, e] of the receiver heads `heads` when only their values change by dv
+    [S, b, T, h, e] (the changed input, projected)."""
     return torch.einsum("bhqk,sbkhe->sbqhe", recv.pattern[:, heads], dv)
 
 
@@ -429,12 +509,13 @@ def _squared_outputs(net: _Net, layer: int, z: torch.Tensor) -> torch.Tensor:
     return (torch.einsum("...he,hef->...hf", z, net.gram[layer]) * z).sum(-1).clamp(min=0)
 
 
-def _local_sums(net: _Net, batch: _Batch, recv: _Layer, layer: int, dx: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-input numerator [S, H, b] of the local effect of the senders behind dx on every receiver head."""
+def _local_sums(net: _Net, batch: _Batch, recv: _Layer, layer: int, d: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-input numerator [S, H, b] of the local effect of the senders behind d (their projected input change
+    [S, b, T, H, e] of kind `kind`) on every receiver head."""
     if kind == "V":
-        change = _squared_outputs(net, layer, _value_change(net, recv, layer, dx, slice(None)))
+        change = _squared_outputs(net, layer, _value_change(recv, d, slice(None)))
         return (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
-    tv = 0.5 * (_patched_pattern(net, recv, layer, dx, kind, slice(None)) - recv.pattern).abs().sum(-1)
+    tv = 0.5 * (_patched_pattern(net, recv, d, kind, slice(None)) - recv.pattern).abs().sum(-1)
     return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
 
 
@@ -494,7 +575,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     (the same structure, row i the counterfactual of input i); mean ablation averages per set. Statistics pool
     all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
     (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
-    NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes.
+    NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes together
+    with the W_O Γ W products a pre-LN model's steps share across batches (at most a quarter of it).
     """
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
@@ -516,22 +598,29 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     num = {kind: np.zeros((len(pairs[0]), n)) for kind in kinds}
     queries, outputs = np.zeros(n), np.zeros((L, H, n))
     advance = _progress(progress, "causal: local effects", sets, batch_size, ablation == "mean")
+    # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
+    factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
+    mixed = _MixedWeights(net.weights["W_O"], max_memory // 4 if factor else 0)  # a quarter of the budget
     for batch in _batches(net, sets, alternatives, batch_size, False, advance):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
         receivers = {l: _receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk = _sender_chunk(net, batch, max_memory)
+        chunk = _sender_chunk(net, batch, max_memory - mixed.budget_total)
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))
                 delta = _sender_writes(net, batch, sender_layer, heads)
+                factored = _FactoredChange(net, batch, sender_layer, heads, delta, mixed) if factor else None
                 for layer in range(sender_layer + 1, L):
-                    delta = _carry(net, batch, layer - 1, delta)
-                    dx = _input_change(net, batch, receivers[layer], layer, delta)
+                    if factored is None:
+                        delta = _carry(net, batch, layer - 1, delta)
+                        dx = _input_change(net, batch, receivers[layer], layer, delta)
                     rows = index[sender_layer, heads, layer]
                     for kind in kinds:
-                        num[kind][rows, batch.rows] = _local_sums(net, batch, receivers[layer], layer, dx, kind).cpu()
+                        d = (factored.project(layer, kind) if factored is not None
+                             else _project(net, layer, dx, kind, slice(None)))
+                        num[kind][rows, batch.rows] = _local_sums(net, batch, receivers[layer], layer, d, kind).cpu()
     src_layer, src_head, tgt_layer, tgt_head = pairs
     names = {"source": [head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())],
              "target": [head_name(l, h) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]}
@@ -573,9 +662,10 @@ def _parse_edges(edges: pd.DataFrame, net: _Net) -> list[tuple[int, int, int, in
 def _head_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: str, head: int) -> torch.Tensor:
     """Change of one receiver head's z [b, T, e] when only its `kind` input reads the changed input dx [1, b, T, d]."""
     heads = slice(head, head + 1)
+    d = _project(net, layer, dx, kind, heads)
     if kind == "V":
-        return _value_change(net, recv, layer, dx, heads)[0, :, :, 0]
-    new = _patched_pattern(net, recv, layer, dx, kind, heads)[0, :, 0]
+        return _value_change(recv, d, heads)[0, :, :, 0]
+    new = _patched_pattern(net, recv, d, kind, heads)[0, :, 0]
     return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
 
 
