@@ -429,63 +429,76 @@ def _project(net: _Net, layer: int, dx: torch.Tensor, kind: str, heads: slice) -
     return torch.einsum("sbtd,hde->sbthe", dx, net.weights[f"W_{kind}"][layer, heads])
 
 
+class _FactoredWeights:
+    """What `_FactoredChange` needs of the weights, the same for every batch: Γ W and 1ᵀ Γ W per (receiver
+    layer, kind), with Γ = diag(γ) of the receiver's ln1, and W_O[s] Γ W [S, e, H, e] per (sender layer, sender heads,
+    receiver layer, kind), kept while they fit `budget` bytes and computed again per batch beyond that."""
+
+    def __init__(self, net: _Net, kinds: Sequence[str], budget: int):
+        self.w_o, self.budget, self.eps, self.scaled, self.column_sums, self.kept = (net.weights["W_O"], budget,
+                                                                                  {}, {}, {}, {})
+        for layer in range(1, net.n_layers):
+            gamma, self.eps[layer] = net.layer_norm(layer, 1)
+            for kind in kinds:
+                w = net.weights[f"W_{kind}"][layer]  # [H, d, e]
+                scaled = w if gamma is None else gamma.detach().to(w)[None, :, None] * w
+                self.scaled[layer, kind], self.column_sums[layer, kind] = scaled, scaled.sum(1)  # Γ W, 1ᵀ Γ W
+
+    def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
+        key = (sender_layer, heads.start, layer, kind)
+        if key in self.kept:
+            return self.kept[key]
+        mixed = torch.einsum("sed,hdf->sehf", self.w_o[sender_layer, heads], self.scaled[layer, kind])
+        if mixed.numel() * mixed.element_size() <= self.budget:
+            self.kept[key] = mixed
+            self.budget -= mixed.numel() * mixed.element_size()
+        return mixed
+
+
 class _FactoredChange:
     """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
     [b, T, S, e] instead of Δ [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its weight,
     LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz (W_O Γ W) − mean(Δ) (1ᵀ Γ W).
     The d × d projection per sender becomes an e × (H e) one (d/e times fewer FLOPs); the result equals
-    `_project` of `_input_change` up to rounding (tested against it and against hooked runs)."""
+    `_project` of `_input_change` up to rounding (tested against it and against hooked runs).
 
-    def __init__(self, net: _Net, batch: _Batch, sender_layer: int, heads: slice, delta: torch.Tensor,
-                 mixed: "_MixedWeights"):
-        self.net, self.batch, self.sender_layer, self.heads, self.mixed = net, batch, sender_layer, heads, mixed
+    `clean` caches the batch's sender-independent terms, c(x) and var(x) per receiver layer and c(x) Γ W per
+    (layer, kind); one dict per batch, shared by its sender chunks."""
+
+    def __init__(self, weights: _FactoredWeights, batch: _Batch, sender_layer: int, heads: slice,
+                 delta: torch.Tensor, clean: dict):
+        self.weights, self.batch, self.sender_layer, self.heads, self.clean = weights, batch, sender_layer, heads, clean
         self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
         self.delta = delta
         self.delta_mean = delta.mean(-1)  # [S, b, T]
         self.delta_var = delta.pow(2).mean(-1) - self.delta_mean.pow(2)
-        self._receivers: dict[int, tuple] = {}
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _receiver(self, layer: int) -> tuple:
-        """Per receiver layer: c(x), γ, the scales 1/σ' and 1/σ' − 1/σ [S, b, T] and γ·c(x) W per kind (lazily)."""
-        if layer not in self._receivers:
-            gamma, eps = self.net.layer_norm(layer, 1)
+    def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """1/σ' and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
+        if layer not in self.clean:
             x = self.batch.resid[layer]
             centred = x - x.mean(-1, keepdim=True)
-            gamma = torch.ones(x.shape[-1]) if gamma is None else gamma.detach()
-            var = centred.pow(2).mean(-1)  # [b, T]
-            var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / x.shape[-1] + self.delta_var
-            inv_new = (var_new + eps).clamp(min=eps).rsqrt()  # 1/σ' [S, b, T]
-            self._receivers[layer] = (centred, gamma.to(x), inv_new, inv_new - (var + eps).rsqrt(), {})
-        return self._receivers[layer]
+            self.clean[layer] = (centred, centred.pow(2).mean(-1))
+        if layer not in self.scales:
+            centred, var = self.clean[layer]
+            eps = self.weights.eps[layer]
+            var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / centred.shape[-1] + self.delta_var
+            inv_new = (var_new + eps).clamp(min=eps).rsqrt()
+            self.scales[layer] = (inv_new, inv_new - (var + eps).rsqrt())
+        return self.scales[layer]
 
     def project(self, layer: int, kind: str) -> torch.Tensor:
-        centred, gamma, inv_new, inv_change, clean = self._receiver(layer)
-        w = self.net.weights[f"W_{kind}"][layer]  # [H, d, e]
-        scaled = gamma[None, :, None] * w  # Γ W
-        if kind not in clean:
-            clean[kind] = torch.einsum("btd,hde->bthe", centred * gamma, w)  # γ·c(x) W
-        mixed = self.mixed.get(self.sender_layer, self.heads, layer, kind, scaled)
-        change = torch.einsum("btse,sehf->sbthf", self.dz, mixed)  # Δz W_O Γ W, then in place: γ·c(Δ) W / σ'
-        change.sub_(self.delta_mean[..., None, None] * scaled.sum(1)).mul_(inv_new[..., None, None])
-        return change.addcmul_(inv_change[..., None, None], clean[kind])
-
-
-class _MixedWeights:
-    """W_O[s] Γ W [S, e, H, e] of each (sender layer, sender heads, receiver layer, kind), the same for every
-    batch: kept while they fit `budget` bytes, computed again per batch beyond that."""
-
-    def __init__(self, w_o: torch.Tensor, budget: int):
-        self.w_o, self.budget, self.budget_total, self.kept = w_o, budget, budget, {}
-
-    def get(self, sender_layer: int, heads: slice, layer: int, kind: str, scaled: torch.Tensor) -> torch.Tensor:
-        key = (sender_layer, heads.start, layer, kind)
-        if key in self.kept:
-            return self.kept[key]
-        mixed = torch.einsum("sed,hdf->sehf", self.w_o[sender_layer, heads], scaled)
-        if mixed.numel() * mixed.element_size() <= self.budget:
-            self.kept[key] = mixed
-            self.budget -= mixed.numel() * mixed.element_size()
-        return mixed
+        inv_new, inv_change = self._scales(layer)
+        scaled = self.weights.scaled[layer, kind]
+        if (layer, kind) not in self.clean:
+            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.clean[layer][0], scaled)  # γ·c(x) W
+        change = torch.einsum("btse,sehf->sbthf", self.dz, self.weights.mixed(self.sender_layer, self.heads, layer,
+                                                                              kind))
+        # Δz W_O Γ W − mean(Δ) 1ᵀ Γ W = γ·c(Δ) W, then over σ', plus (1/σ' − 1/σ) γ·c(x) W; in place
+        change.sub_(self.delta_mean[..., None, None] * self.weights.column_sums[layer, kind])
+        change.mul_(inv_new[..., None, None])
+        return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
 
 
 def _patched_pattern(net: _Net, recv: _Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
@@ -600,18 +613,19 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     advance = _progress(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
     factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
-    mixed = _MixedWeights(net.weights["W_O"], max_memory // 4 if factor else 0)  # a quarter of the budget
+    kept = max_memory // 4 if factor else 0  # a quarter of the budget for the kept W_O Γ W, the rest per step
+    weights = _FactoredWeights(net, kinds, kept) if factor else None
     for batch in _batches(net, sets, alternatives, batch_size, False, advance):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
         receivers = {l: _receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk = _sender_chunk(net, batch, max_memory - mixed.budget_total)
+        chunk, clean = _sender_chunk(net, batch, max_memory - kept), {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))
                 delta = _sender_writes(net, batch, sender_layer, heads)
-                factored = _FactoredChange(net, batch, sender_layer, heads, delta, mixed) if factor else None
+                factored = _FactoredChange(weights, batch, sender_layer, heads, delta, clean) if factor else None
                 for layer in range(sender_layer + 1, L):
                     if factored is None:
                         delta = _carry(net, batch, layer - 1, delta)
