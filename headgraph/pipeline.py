@@ -14,10 +14,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from headgraph.analysis import calibration, reference, significance
+from headgraph.analysis import reference, significance
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, head_index
 from headgraph.analysis.composition import composition_scores
-from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_pk
+from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_bases
 from headgraph.analysis.subspaces import model_subspaces, rank_deficient_heads
 from headgraph.analysis.options import PKOptions
 from headgraph.errors import UsageError
@@ -66,10 +66,20 @@ def resolve_device(device: str | None) -> str:
 
 
 @contextmanager
-def _stage(state: AnalysisState, name: str):
+def timed(timings: dict[str, float], name: str):
+    """Record the wall seconds of the enclosed step as timings[name]."""
     start = time.perf_counter()
     yield
-    state.timings[name] = round(time.perf_counter() - start, 4)
+    timings[name] = round(time.perf_counter() - start, 4)
+
+
+@contextmanager
+def _within_memory():
+    """A plan that cannot fit --max-memory is the user's setting: a usage error saying which knob to turn."""
+    try:
+        yield
+    except ValueError as e:
+        raise UsageError(f"{e}; raise --max-memory") from e
 
 
 def _kv_group(model) -> int:
@@ -85,7 +95,7 @@ def stage_subspaces(state: AnalysisState, progress: Progress) -> None:
     """Orthonormal bases and numerical ranks of every head for all four weight types."""
     opts, model = state.options, state.model
     task = progress.add_task("subspaces (thin SVD)", total=1)
-    with _stage(state, "subspaces"):
+    with timed(state.timings, "subspaces"):
         dtype = DTYPES[opts.dtype]
         state.weights = {t: getattr(model, f"W_{t}").to(device=opts.device, dtype=dtype) for t in WEIGHT_TYPES}
         state.subspaces = model_subspaces(state.weights, set(WEIGHT_TYPES), dtype, torch.device(opts.device),
@@ -98,19 +108,14 @@ def stage_projection_kernel(state: AnalysisState, progress: Progress) -> None:
     type pairs that read it, same-type pairs on their upper triangle, the formulation of lower predicted time
     (kernel rates measured on this machine, cached) under the memory budget."""
     opts = state.options
-    with _stage(state, "projection_kernel"):
+    with timed(state.timings, "projection_kernel"):
         names = sorted({t for tp in opts.types for t in tp}, key=WEIGHT_TYPES.index)
         bases = {t: state.subspaces[t].flat() for t in names}
         layers = {t: state.subspaces[t].flat_layers() for t in names}
         requests = {tp: PKRequest(tp[0], tp[1], pair_mask(layers[tp[0]], layers[tp[1]], opts.full_matrix,
                                                           tp[0] == tp[1])) for tp in opts.types}
-        first = bases[names[0]]
-        rates = calibration.rates(first.device, first.dtype, first.shape[1], max(b.shape[2] for b in bases.values()))
-        try:
-            plan = plan_pk({t: tuple(b.shape) for t, b in bases.items()}, requests, first.element_size(), rates,
-                           opts.max_memory, opts.formulation)
-        except ValueError as e:
-            raise UsageError(f"{e}; raise --max-memory") from e
+        with _within_memory():
+            plan = plan_bases(bases, requests, opts.max_memory, opts.formulation)
         task = progress.add_task("projection kernel", total=len(plan.tiles))
         pk = pk_pass(bases, plan, advance=lambda n: progress.advance(task, n))
         for tp in opts.types:
@@ -136,7 +141,7 @@ def stage_reference(state: AnalysisState, progress: Progress) -> None:
     opts = state.options
     d = state.subspaces["Q"].d_model
     task = progress.add_task("isotropic reference", total=len(opts.types))
-    with _stage(state, "reference"):
+    with timed(state.timings, "reference"):
         moments, samples = {}, {}
         widths = {tp: (state.subspaces[tp[0]].width, state.subspaces[tp[1]].width) for tp in opts.types}
         grid_upper = max(min(w) for w in widths.values())
@@ -176,13 +181,11 @@ def stage_model_null(state: AnalysisState, progress: Progress) -> None:
     """p_model per edge against the second-moment null (empirical, Beta-fitted far tail), and BH q_model within
     each type pair."""
     opts = state.options
-    with _stage(state, "model_null"):
+    with timed(state.timings, "model_null"):
         sets = significance.null_head_sets(state.weights, {c for tp in opts.types for c in tp}, opts.null_heads,
                                            opts.seed)
-        try:
+        with _within_memory():
             plan = significance.plan_null(sets, opts.types, opts.max_memory)
-        except ValueError as e:
-            raise UsageError(f"{e}; raise --max-memory") from e
         task = progress.add_task("model-matched null", total=len(plan.tiles))
         nulls = significance.null_pk_samples(sets, plan, advance=lambda n: progress.advance(task, n))
         for tp in opts.types:
@@ -204,7 +207,7 @@ def stage_composition(state: AnalysisState, progress: Progress) -> None:
     kv_group = _kv_group(state.model)
     wanted = [tp for tp in opts.types if tp in COMPOSITION_TYPES and (kv_group == 1 or tp == "OQ")]
     task = progress.add_task("composition scores", total=max(1, len(wanted)))
-    with _stage(state, "composition"):
+    with timed(state.timings, "composition"):
         for tp in opts.types:
             edges = state.edges[tp]
             edges.columns["cs"] = np.full(len(edges.src), np.nan)

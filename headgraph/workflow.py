@@ -89,13 +89,6 @@ def _clear_earlier_run(folder: Path) -> None:
                 path.unlink()
 
 
-@contextlib.contextmanager
-def _timed(timings: dict[str, float], step: str):
-    start = time.perf_counter()
-    yield
-    timings[step] = round(time.perf_counter() - start, 3)
-
-
 def _inputs_seed(options: AnalyzeOptions) -> int:
     return options.pk.seed if options.inputs_seed is None else options.inputs_seed
 
@@ -140,7 +133,7 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     start = time.perf_counter()
     from headgraph.analysis.classes import load_classes
     from headgraph.loader.models import describe_model, load_model
-    from headgraph.pipeline import analyze, resolve_device
+    from headgraph.pipeline import analyze, resolve_device, timed
     from headgraph.report.report import default_classes, render_report
 
     console = console or Console(stderr=True)
@@ -153,7 +146,7 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     store_description = options.store.check() if options.store is not None else None
 
     timings: dict[str, float] = {}
-    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext(), _timed(timings, "load"):
+    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext(), timed(timings, "load"):
         model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
     if options.roles:
         from headgraph.analysis.roles import check_tokenizer
@@ -163,9 +156,9 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     if options.causal:
         from headgraph.analysis.causal import CausalStage
 
-        with _timed(timings, "causal_inputs"):
+        with timed(timings, "causal_inputs"):
             causal = CausalStage.prepare(model, options.causal, _inputs_seed(options))
-    with _timed(timings, "pk_and_significance"):
+    with timed(timings, "pk_and_significance"):
         result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console,
                          progress=progress)
     run_id = new_run_id(model.name)
@@ -174,36 +167,36 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
                                      selection=options.policy.describe(), sweep=options.sweep, step=options.step)
     with progress_bar(console, progress) as bar:
         if options.roles:
-            with _timed(timings, "roles"):
+            with timed(timings, "roles"):
                 _add_roles(result, model, options, bar)
         effects = False
         if causal is not None:
-            with _timed(timings, "causal_local"):
+            with timed(timings, "causal_local"):
                 effects = _add_local_effects(result, causal, _inputs_seed(options), console, bar)
-        with _timed(timings, "selection_and_centrality"):
+        with timed(timings, "selection_and_centrality"):
             selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
         if effects and options.causal.loss:
-            with _timed(timings, "causal_loss"):
+            with timed(timings, "causal_loss"):
                 selected = _add_loss_effects(result, selected, causal, _inputs_seed(options), bar)
-        with _timed(timings, "artifacts"):
+        with timed(timings, "artifacts"):
             _clear_earlier_run(folder)
             write_run(result, folder)
         run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
         if options.stability:
-            with _timed(timings, "stability"):
+            with timed(timings, "stability"):
                 run_stability(run, console=console, progress=progress)
         paths = {}
         if options.report:
             from headgraph.report.report import FIGURE_COUNT
 
             task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            with _timed(timings, "report"):
+            with timed(timings, "report"):
                 paths = render_report(run, policy=options.policy, classes=classes,
                                       advance=lambda: bar.advance(task), selected=selected)
         graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
         if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
             task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
-            with _timed(timings, "store"), options.store.open() as store:
+            with timed(timings, "store"), options.store.open() as store:
                 store.load_run(graph)
             bar.advance(task)
     timings["other"] = round(time.perf_counter() - start - sum(timings.values()), 3)  # imports, checks, graph rows

@@ -323,6 +323,16 @@ def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKReque
                   chosen.seconds, chosen.working_bytes, predicted, reason, rates)
 
 
+def plan_bases(bases: dict[str, torch.Tensor], requests: dict[str, PKRequest], max_memory: int = DEFAULT_MAX_MEMORY,
+               formulation: str = "auto", rates: Rates | None = None) -> PKPlan:
+    """`plan_pk` for these bases {name: [n_heads, d, k]}: their shapes and itemsize, and (unless given) this
+    machine's kernel rates for their device, dtype, d_model and widest head."""
+    first = next(iter(bases.values()))
+    rates = rates or calibration.rates(first.device, first.dtype, first.shape[1], max(b.shape[2] for b in bases.values()))
+    return plan_pk({name: tuple(b.shape) for name, b in bases.items()}, requests, first.element_size(), rates,
+                   max_memory, formulation)
+
+
 def pk_pass(bases: dict[str, torch.Tensor], plan: PKPlan,
             advance: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """Run a plan over bases {name: [n_heads, d, k]} (heads ordered by layer); returns each request's
@@ -388,8 +398,6 @@ def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, max_memo
     True
     """
     same = tgt is src
-    shapes = {"source": tuple(src.shape)} | ({} if same else {"target": tuple(tgt.shape)})
+    bases = {"source": src} | ({} if same else {"target": tgt})
     request = PKRequest("source", "source" if same else "target", mask)
-    rates = rates or calibration.rates(src.device, src.dtype, src.shape[1], max(src.shape[2], tgt.shape[2]))
-    plan = plan_pk(shapes, {"pk": request}, src.element_size(), rates, max_memory, formulation)
-    return pk_pass({"source": src} | ({} if same else {"target": tgt}), plan)["pk"]
+    return pk_pass(bases, plan_bases(bases, {"pk": request}, max_memory, formulation, rates))["pk"]

@@ -17,8 +17,7 @@ import numpy as np
 from scipy import stats
 import torch
 
-from headgraph.analysis import calibration
-from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_pk
+from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_bases
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
@@ -76,11 +75,8 @@ def plan_null(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], type_pairs, ma
                               torch.ones(len(sets[tp[0]][0]), len(sets[tp[1]][1]), dtype=torch.bool))
                 for tp in type_pairs}
     used = {name for r in requests.values() for name in (r.source, r.target)}
-    bases = {name: heads for name, heads in _named_sets(sets).items() if name in used}
-    first = next(iter(bases.values()))
-    rates = calibration.rates(first.device, first.dtype, first.shape[1], max(b.shape[2] for b in bases.values()))
-    return plan_pk({name: tuple(b.shape) for name, b in bases.items()}, requests, first.element_size(), rates,
-                   max_memory)
+    return plan_bases({name: heads for name, heads in _named_sets(sets).items() if name in used}, requests,
+                      max_memory)
 
 
 def null_pk_samples(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], plan: PKPlan,
