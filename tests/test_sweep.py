@@ -6,13 +6,11 @@ sweep; the sweep's queries read back what the run folders hold, and show the pha
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
 from _cli import run_cli
 
@@ -179,25 +177,43 @@ def test_a_sweep_into_neo4j_is_tagged_and_resumed(neo4j_config, tmp_path, monkey
                 store.delete_run(run.run_id)
 
 
-def _worker_of(driver: psutil.Process) -> psutil.Process:
-    (worker,) = [p for p in driver.children() if "spawn_main" in " ".join(p.cmdline())]
-    return worker
+DOOMED_WORKER = r"""
+# Loaded by every Python process of the sweep (sitecustomize on PYTHONPATH): the worker that writes the run
+# folder of the checkpoint named in HEADGRAPH_TEST_DOOMED sends itself SIGKILL right after, before its result
+# reaches the driver. Nothing else changes; the driver, the store and the other checkpoints are real.
+import os, signal
+
+doomed = os.environ.get("HEADGRAPH_TEST_DOOMED")
+if doomed:
+    import headgraph.workflow as workflow
+
+    write_run = workflow.write_run
+
+    def write_then_die(result, folder):
+        write_run(result, folder)
+        if result.run.model.name == doomed:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    workflow.write_run = write_then_die
+"""
 
 
 def test_a_killed_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(tmp_path):
     models = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
     args = [sys.executable, "-m", "headgraph", "sweep", *models, "--db", str(tmp_path / "s.lbdb"), "--out",
             str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    driver = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    lines = []
-    for line in driver.stderr:  # the driver reports each stored checkpoint: the worker is on the next one
-        lines.append(line)
-        if line.startswith("stored "):
-            os.kill(_worker_of(psutil.Process(driver.pid)).pid, signal.SIGKILL)
-            break
-    err = "".join(lines) + driver.stderr.read()
-    assert driver.wait(timeout=120) == 1, err
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(DOOMED_WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(Path(__file__).resolve().parents[1])]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, capture_output=True, text=True, env={**env, "HEADGRAPH_TEST_DOOMED": models[1]},
+                          timeout=300)
+    err = done.stderr
+    assert done.returncode == 1, err
+    folders = [p.name for p in (tmp_path / "runs").iterdir()]
+    assert any(name.startswith(models[1]) for name in folders), folders  # it died after writing its run folder
+    assert "stored induction-2l-step2000 (step 2000)" in err and "stored induction-2l-step3000" not in err, err
     assert "2 of 3 checkpoints not stored" in err and "induction-2l-step3000 (step 3000): a worker process died" in err
     with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:
         first = store.read("MATCH (r:Run) RETURN r.id AS id, r.model AS model, r.status AS status").records()
