@@ -96,8 +96,14 @@ def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
 
 def _running_tasks(head_pid: int) -> list[psutil.Process]:
     """The worker processes of this test's cluster that are running a checkpoint's analysis now."""
-    return [p for p in psutil.Process(head_pid).children(recursive=True)
-            if " ".join(p.cmdline()).startswith("ray::_analyze")]
+    tasks = []
+    for process in psutil.Process(head_pid).children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith("ray::_analyze"):
+                tasks.append(process)
+        except psutil.Error:  # it exited since it was listed (or is a zombie its parent has not reaped yet)
+            continue
+    return tasks
 
 
 def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(cluster, tmp_path):
@@ -105,19 +111,24 @@ def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_compl
     args = [sys.executable, "-m", "headgraph", "sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"),
             "--out", str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
     env = _env()
-    driver = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     lines, killed = [], []
-    for line in driver.stderr:  # after the first stored checkpoint, kill the tasks still running
-        lines.append(line)
-        if line.startswith("stored "):
-            deadline = time.monotonic() + 30
-            while not (killed := _running_tasks(head)) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            for task in killed:
-                task.send_signal(signal.SIGKILL)
-            break
-    err = "".join(lines) + driver.stderr.read()
-    assert killed and driver.wait(timeout=120) == 1, err
+    with subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as driver:
+        try:
+            for line in driver.stderr:  # after the first stored checkpoint, kill the tasks still running
+                lines.append(line)
+                if line.startswith("stored "):
+                    deadline = time.monotonic() + 30
+                    while not (killed := _running_tasks(head)) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    for task in killed:
+                        task.send_signal(signal.SIGKILL)
+                    break
+            err = "".join(lines) + driver.stderr.read()
+            code = driver.wait(timeout=120)
+        finally:  # a failure here must not leave the driver running into the next test
+            if driver.poll() is None:
+                driver.kill()
+    assert killed and code == 1, err
     stored = sorted(line.split()[1] for line in err.splitlines() if line.startswith("stored "))
     died = err.count("its Ray worker died")
     assert died >= 1 and len(stored) + died == len(MODELS), err
