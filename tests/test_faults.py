@@ -1,5 +1,6 @@
 """Crash consistency on real stores and real processes: `headgraph analyze` is killed with SIGKILL at moments
-spread over its load (and over the clean-up of an earlier crash), then the store is read by real commands.
+spread over its load (and over the clean-up of an earlier crash), then the store is read by real commands
+(run in the test's own process: a reader other than the killed writer).
 
 After every kill: reads work, no run shown complete holds fewer rows than it records (nor than the model's
 pair count), and after the next command that opens the store for writing no earlier partial run is left.
@@ -16,7 +17,9 @@ import sys
 import uuid
 
 import pytest
+from click.testing import CliRunner
 
+from headgraph.cli import cli
 from headgraph.testing.synthetic import save_synthetic
 
 KILLER = r"""
@@ -86,6 +89,13 @@ def headgraph(*args, env=None):
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+def read(*args, env):
+    """A reading command (runs, cypher, query) run in this test's process, a reader other than the killed
+    writer: (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(cli, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr or repr(result.exception)
+
+
 def analyze_killed_at(moment, model, store_args, out, env):
     """Run `headgraph analyze` that kills itself at `moment`; the exit must be SIGKILL (the moment was reached)."""
     process = subprocess.run([sys.executable, "-c", KILLER, moment, "analyze", str(model), *ANALYZE, "--out", str(out),
@@ -96,20 +106,20 @@ def analyze_killed_at(moment, model, store_args, out, env):
 def check_store(store_args, prefix, expected_heads, expected_edges, env):
     """Reads work; every complete run holds exactly what it records (and what the model implies); returns
     {run id: status} of this test's runs."""
-    listed = headgraph("runs", "--format", "json", *store_args, env=env)
-    assert listed.returncode == 0, listed.stderr
-    runs = {r["id"]: r for r in json.loads(listed.stdout) if r["id"].startswith(prefix)}
-    counted = headgraph("cypher", COUNTS, "--param", f"prefix={prefix}", "--format", "json", *store_args, env=env)
-    assert counted.returncode == 0, counted.stderr
-    stored = {r["id"]: (r["heads"], r["edges"]) for r in json.loads(counted.stdout)}
+    code, listed, err = read("runs", "--format", "json", *store_args, env=env)
+    assert code == 0, err
+    runs = {r["id"]: r for r in json.loads(listed) if r["id"].startswith(prefix)}
+    code, counted, err = read("cypher", COUNTS, "--param", f"prefix={prefix}", "--format", "json", *store_args, env=env)
+    assert code == 0, err
+    stored = {r["id"]: (r["heads"], r["edges"]) for r in json.loads(counted)}
     for run_id, run in runs.items():
         if run["status"] == "complete":
             assert (run["heads"], run["edges"]) == (expected_heads, expected_edges)
             assert stored[run_id] == (expected_heads, expected_edges), run_id
     hubs = [r for r in runs.values() if r["status"] == "complete"]
     if hubs:
-        query = headgraph("query", "hubs", "--run", hubs[-1]["id"], "--format", "json", *store_args, env=env)
-        assert query.returncode == 0 and len(json.loads(query.stdout)) > 0, query.stderr
+        code, found, err = read("query", "hubs", "--run", hubs[-1]["id"], "--format", "json", *store_args, env=env)
+        assert code == 0 and len(json.loads(found)) > 0, err
     return {run_id: run["status"] for run_id, run in runs.items()}
 
 
@@ -166,7 +176,7 @@ def test_kill_9_during_a_neo4j_load_loses_nothing_reported_done(tmp_path, neo4j_
     try:
         kill_and_check(moments, model, store_args, tmp_path, 40, pair_count(5, 8), env)
     finally:
-        listed = json.loads(headgraph("runs", "--format", "json", *store_args, env=env).stdout)
+        listed = json.loads(read("runs", "--format", "json", *store_args, env=env)[1])
         for run in listed:
             if run["id"].startswith(model.name):
                 headgraph("runs", "delete", run["id"], *store_args, env=env)
@@ -218,8 +228,8 @@ def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, 
     assert "Traceback" not in stderr and "Process ForkPoolWorker" not in stderr, stderr
     with pytest.raises(ProcessLookupError):  # no figure worker outlives the command
         os.killpg(process.pid, 0)
-    listed = headgraph("runs", "--format", "json", "--db", str(path), env=env)
-    assert [run["id"] for run in json.loads(listed.stdout)] == ["earlier"]
+    assert [run["id"] for run in json.loads(read("runs", "--format", "json", "--db", str(path), env=env)[1])] == [
+        "earlier"]
 
 
 @pytest.mark.neo4j
@@ -243,7 +253,7 @@ def test_runs_delete_refuses_a_run_a_live_writer_is_still_storing(tmp_path, synt
     finally:
         writer.kill()
         writer.wait()
-    listed = {r["id"]: r for r in json.loads(headgraph("runs", "--format", "json", *store_args, env=env).stdout)}
+    listed = {r["id"]: r for r in json.loads(read("runs", "--format", "json", *store_args, env=env)[1])}
     assert listed[run_id]["status"] == "complete" and listed[run_id]["edges"] == pair_count(2, 4)
     for name in (run_id, json.loads((tmp_path / "other" / "run.json").read_text())["id"]):
         assert headgraph("runs", "delete", name, *store_args, env=env).returncode == 0
