@@ -248,6 +248,23 @@ def test_identity_score_equals_self_attention_of_unpadded_runs(random_model):
     assert R.identity_map(heads)[2, 1] == heads.set_index("head").loc["L2H1", "identity_score"]
 
 
+def test_patterns_stop_the_forward_pass_after_the_last_layers_attention(random_model):
+    """The captured patterns equal those of a whole run_with_cache, and nothing after the last layer's
+    attention runs: neither its MLP nor the final LayerNorm and unembedding."""
+    bridge = random_model.bridge
+    inputs = ioi_inputs(random_model.tokenizer, 5, seed=3).batch(0, 5)
+    after = []
+    with bridge.hooks(fwd_hooks=[(name, lambda x, hook: after.append(hook.name))
+                                 for name in ("blocks.2.mlp.hook_in", "ln_final.hook_in", "unembed.hook_in")]):
+        patterns = capture_patterns(bridge, inputs)
+        assert after == []
+        _, cache = bridge.run_with_cache(inputs.input_ids, attention_mask=inputs.attention_mask.long())
+        assert len(after) == 3  # the hooks do fire on a whole pass
+    expected = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(3)], dim=1)
+    assert torch.equal(patterns, expected)
+    assert not any(hook.has_hooks() for hook in bridge.hook_dict.values())  # the stopped pass left no hook
+
+
 def test_bert_patterns_from_the_bridge_equal_eager_transformers(minilm):
     inputs = sentence_pair_inputs(minilm.tokenizer, 4, seed=0).batch(0, 4)
     patterns = capture_patterns(minilm.bridge, inputs)

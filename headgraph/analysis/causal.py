@@ -68,6 +68,7 @@ import pandas as pd
 import torch
 
 from headgraph.analysis.options import ABLATIONS, DEFAULT_N_BOOT, CausalOptions
+from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import (TokenInputs, ioi_inputs, repeated_token_inputs, sentence_pair_inputs,
                                        text_inputs)
 from headgraph.analysis.roles import REPEAT_LENGTH
@@ -191,25 +192,13 @@ def _unsupported(bridge, why: str) -> CausalUnsupported:
                       "analyze it without causal effects")
 
 
-def _model_kwargs(bridge, inputs: TokenInputs) -> dict:
-    device = bridge.cfg.device
-    kwargs = {"attention_mask": inputs.attention_mask.long().to(device)}
-    if inputs.token_type_ids is not None:
-        kwargs["token_type_ids"] = inputs.token_type_ids.to(device)
-    return kwargs
-
-
-def _run(bridge, inputs: TokenInputs, names: list[str], return_type=None):
-    return bridge.run_with_cache(inputs.input_ids.to(bridge.cfg.device), names_filter=names,
-                                 return_type=return_type, **_model_kwargs(bridge, inputs))
-
-
 def _is_post_ln(bridge, probe: TokenInputs) -> bool:
     """False where attention reads LN(residual) (GPT-2), True where it reads the residual and LayerNorms
     follow each sublayer (BERT); read off one forward pass."""
     names = ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.0.attn.hook_in",
              "blocks.0.ln2.hook_out", "blocks.0.hook_resid_post"]
-    _, cache = _run(bridge, probe, names)
+    _, cache = bridge.run_with_cache(probe.input_ids.to(bridge.cfg.device), names_filter=names, return_type=None,
+                                     **model_kwargs(bridge, probe))  # served hooks only: the check names the rest
     if not set(names) <= set(cache.keys()):
         raise _unsupported(bridge, "its blocks lack the TransformerBridge hooks "
                                    f"{', '.join(sorted(set(names) - set(cache.keys())))}")
@@ -305,7 +294,7 @@ def _z_names(net: _Net) -> list[str]:
 
 def _z_of(net: _Net, inputs: TokenInputs, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """z [L, b, length, H, e] of a batch, cut or zero-padded to `length`, and its real-token mask [b, length]."""
-    _, cache = _run(net.bridge, inputs, _z_names(net))
+    _, cache = run_with_activations(net.bridge, inputs, _z_names(net))
     z = torch.stack([cache[name] for name in _z_names(net)]).float()
     real = inputs.attention_mask.bool().to(z.device)
     pad = length - z.shape[2]
@@ -341,7 +330,8 @@ def _batches(net: _Net, sets, corrupted, batch_size: int, with_output: bool,
         for start in range(0, len(clean_set), batch_size):
             stop = min(start + batch_size, len(clean_set))
             batch = clean_set.batch(start, stop)
-            logits, cache = _run(net.bridge, batch, names, "logits" if with_output and net.causal else None)
+            logits, cache = run_with_activations(net.bridge, batch, names,
+                                                 "logits" if with_output and net.causal else None)
             z = torch.stack([cache[name] for name in _z_names(net)]).float()
             T = z.shape[2]
             real = batch.attention_mask.bool().to(z.device)
@@ -711,7 +701,7 @@ def _patched_outputs(net: _Net, batch: _Batch, changes: list[tuple[int, int, tor
                      token_type_ids=None if batch.inputs.token_type_ids is None
                      else batch.inputs.token_type_ids.repeat(copies, 1))
     out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                    return_type="logits" if net.causal else None, **_model_kwargs(net.bridge, inputs))
+                                    return_type="logits" if net.causal else None, **model_kwargs(net.bridge, inputs))
     return out.reshape(copies, b, *out.shape[1:])
 
 

@@ -7,6 +7,8 @@ patterns equal transformers' own `output_attentions` under `attn_implementation=
 """
 
 from collections.abc import Iterator
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -18,16 +20,43 @@ def pattern_hook_names(n_layers: int) -> list[str]:
     return [f"blocks.{layer}.attn.hook_pattern" for layer in range(n_layers)]
 
 
-def capture_patterns(bridge, inputs: TokenInputs) -> torch.Tensor:
-    """Attention patterns [batch, layer, head, query, key] of one batch of inputs, on the bridge's device."""
+def model_kwargs(bridge, inputs: TokenInputs) -> dict:
+    """What the bridge's forward reads besides the token ids: the attention mask, and token types where given."""
     device = bridge.cfg.device
     kwargs = {"attention_mask": inputs.attention_mask.long().to(device)}
     if inputs.token_type_ids is not None:
         kwargs["token_type_ids"] = inputs.token_type_ids.to(device)
-    names = pattern_hook_names(bridge.cfg.n_layers)
+    return kwargs
+
+
+def run_with_activations(bridge, inputs: TokenInputs, names: list[str], return_type=None) -> tuple[Any, dict]:
+    """(output, {name: activation}) of one batch of inputs at the TransformerLens hooks `names`.
+
+    With return_type None the forward pass stops as soon as every hook in `names` has fired: what runs after
+    them would only be discarded. For the attention patterns of GPT-2 small that is the last MLP, the final
+    LayerNorm and the 50257-wide unembedding, about a third of the forward pass's FLOPs.
+    """
+    from transformer_lens.model_bridge.exceptions import StopAtLayerException
+
+    kept, wanted = {}, set(names)
+
+    def keep(name, activation, hook):
+        kept[name] = activation
+        if return_type is None and wanted <= kept.keys():
+            raise StopAtLayerException(activation)  # the bridge's own early stop: hooks removed, forward returns
+
     with torch.no_grad():
-        _, cache = bridge.run_with_cache(inputs.input_ids.to(device), names_filter=names, return_type=None, **kwargs)
-    return torch.stack([cache[name] for name in names], dim=1)
+        output = bridge.run_with_hooks(inputs.input_ids.to(bridge.cfg.device),
+                                       fwd_hooks=[(name, partial(keep, name)) for name in names],
+                                       return_type=return_type, **model_kwargs(bridge, inputs))
+    return (output if return_type is not None else None), kept
+
+
+def capture_patterns(bridge, inputs: TokenInputs) -> torch.Tensor:
+    """Attention patterns [batch, layer, head, query, key] of one batch of inputs, on the bridge's device."""
+    names = pattern_hook_names(bridge.cfg.n_layers)
+    _, patterns = run_with_activations(bridge, inputs, names)
+    return torch.stack([patterns[name] for name in names], dim=1)
 
 
 def iter_patterns(bridge, inputs: TokenInputs, batch_size: int = 32) -> Iterator[tuple[TokenInputs, torch.Tensor]]:
