@@ -124,3 +124,19 @@ def test_batches_trim_to_their_longest_input(gpt_tokenizer):
     b = x.batch(2, 5)
     assert len(b) == 3 and b.input_ids.shape[1] == int(x.attention_mask[2:5].sum(-1).max())
     assert torch.equal(b.input_ids, x.input_ids[2:5, : b.input_ids.shape[1]])
+
+
+def test_inputs_by_length_keep_every_row_whole_shortest_first(bert_tokenizer):
+    x = P.sentence_pair_inputs(bert_tokenizer, 40, seed=1)
+    y = x.by_length()
+    drawn, ordered = x.attention_mask.sum(-1), y.attention_mask.sum(-1)
+    assert (ordered[1:] >= ordered[:-1]).all() and not (drawn[1:] >= drawn[:-1]).all()
+    rows = {}  # each input's tokens, token types, kinds and arcs, keyed by its tokens (seeded draws: no repeats)
+    for inputs in (x, y):
+        rows[inputs is y] = sorted(
+            (inputs.input_ids[i].tolist(), inputs.token_type_ids[i].tolist(), inputs.token_kind[i].tolist(),
+             [inputs.arcs[r][i].nonzero().tolist() for r in sorted(inputs.arcs)]) for i in range(len(inputs)))
+    assert rows[True] == rows[False]
+    padded = {inputs is y: sum(inputs.batch(s, s + 8).attention_mask.numel() for s in range(0, 40, 8))
+              for inputs in (x, y)}
+    assert padded[True] < padded[False]

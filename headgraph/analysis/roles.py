@@ -201,7 +201,7 @@ def _scores_on(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool
     """Per role, scores [inputs, layer*head]; and self-attention [inputs, layer*head] on the same inputs."""
     parts = {role.name: [] for role in roles}
     selfatt = []
-    for batch, patterns in iter_patterns(model.bridge, inputs, batch_size):
+    for batch, patterns in iter_patterns(model.bridge, inputs.by_length(), batch_size):  # the scores' order is free
         patterns = patterns.float()
         visible = visible_keys(batch, causal)
         for role in roles:
