@@ -130,15 +130,6 @@ def with_effects(pairs: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
         effects, on=KEY_COLUMNS, how="left", validate="many_to_one")
 
 
-def _rows(inputs: TokenInputs, rows: torch.Tensor) -> TokenInputs:
-    def pick(t):
-        return None if t is None else t[rows]
-
-    arcs = None if inputs.arcs is None else {r: a[rows] for r, a in inputs.arcs.items()}
-    return replace(inputs, input_ids=inputs.input_ids[rows], attention_mask=inputs.attention_mask[rows],
-                   token_type_ids=pick(inputs.token_type_ids), token_kind=pick(inputs.token_kind), arcs=arcs)
-
-
 def resample_inputs(inputs: TokenInputs, seed: int = 0) -> TokenInputs:
     """Resample ablation's counterfactuals: row i is another input of the set, drawn uniformly (seeded) among
     those at least as long as input i; the longest input, when no other is as long, draws among the longest
@@ -155,7 +146,7 @@ def resample_inputs(inputs: TokenInputs, seed: int = 0) -> TokenInputs:
         if not len(candidates):
             candidates = others[lengths[others] == lengths[others].max()]
         rows.append(int(rng.choice(candidates)))
-    return _rows(inputs, torch.tensor(rows))
+    return inputs.rows(torch.tensor(rows))
 
 
 def _input_sets(inputs, what: str) -> tuple[TokenInputs, ...]:
