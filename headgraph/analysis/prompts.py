@@ -124,7 +124,7 @@ class TokenInputs:
 
     def by_length(self) -> "TokenInputs":
         """The same inputs, shortest first (a stable order), so that consecutive batches pad little: MiniLM's
-        200 sentence pairs in batches of 32 run 14 % padding tokens in the order drawn, 1 % sorted."""
+        200 sentence pairs in batches of 32 run 14 % more tokens than they hold in the order drawn, 1 % sorted."""
         return self.rows(torch.argsort(self.attention_mask.sum(-1), stable=True))
 
 
