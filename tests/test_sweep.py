@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from _cli import run_cli
+from _doomed import doomed_worker_env
 
 from headgraph.errors import UsageError
 from headgraph.loader.ladybug_store import LadybugStore
@@ -177,38 +178,15 @@ def test_a_sweep_into_neo4j_is_tagged_and_resumed(neo4j_config, tmp_path, monkey
                 store.delete_run(run.run_id)
 
 
-DOOMED_WORKER = r"""
-# Loaded by every Python process of the sweep (sitecustomize on PYTHONPATH): the worker that writes the run
-# folder of the checkpoint named in HEADGRAPH_TEST_DOOMED sends itself SIGKILL right after, before its result
-# reaches the driver. Nothing else changes; the driver, the store and the other checkpoints are real.
-import os, signal
-
-doomed = os.environ.get("HEADGRAPH_TEST_DOOMED")
-if doomed:
-    import headgraph.workflow as workflow
-
-    write_run = workflow.write_run
-
-    def write_then_die(result, folder):
-        write_run(result, folder)
-        if result.run.model.name == doomed:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    workflow.write_run = write_then_die
-"""
-
-
 def test_a_killed_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(tmp_path):
     models = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
     args = [sys.executable, "-m", "headgraph", "sweep", *models, "--db", str(tmp_path / "s.lbdb"), "--out",
             str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(DOOMED_WORKER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(Path(__file__).resolve().parents[1])]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(args, capture_output=True, text=True, env={**env, "HEADGRAPH_TEST_DOOMED": models[1]},
-                          timeout=300)
+    doomed, hooks = doomed_worker_env(tmp_path / "hooks")
+    env = {**os.environ, **hooks, "OMP_NUM_THREADS": "1"}
+    doomed.write_text(models[1])
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    doomed.unlink()
     err = done.stderr
     assert done.returncode == 1, err
     folders = [p.name for p in (tmp_path / "runs").iterdir()]

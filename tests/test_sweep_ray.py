@@ -1,7 +1,9 @@
 """`headgraph sweep --ray` against a real Ray head started by the test on loopback (`ray start --head --block`,
 its own processes, stopped by signalling that one process): the same store content as the local worker
-processes, and a Ray worker killed mid-sweep (a real SIGKILL) leaves no run of its checkpoint while the rerun
-completes the sweep. Needs the optional extra headgraph[ray], which scripts/test installs."""
+processes, and a Ray worker killed mid-sweep (a real SIGKILL, which the worker of the chosen checkpoint sends
+itself right after writing its run folder: tests/_doomed.py) leaves no run of its checkpoint while the other
+tasks' runs are stored and the rerun completes the sweep. Needs the optional extra headgraph[ray], which
+scripts/test installs."""
 
 import os
 import signal
@@ -11,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from _doomed import doomed_worker_env
 
 from headgraph.loader.ladybug_store import LadybugStore
 
@@ -30,11 +32,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(address, pid of `ray start`) of a two-CPU Ray head on 127.0.0.1 (token authentication, Ray's default:
-    its clients set RAY_AUTH_MODE=token)."""
+    """(address, doomed-checkpoint file) of a two-CPU Ray head on 127.0.0.1 (token authentication, Ray's
+    default: its clients set RAY_AUTH_MODE=token); its workers carry the doomed-worker hook (tests/_doomed.py)."""
     port, log = _free_port(), tmp_path_factory.mktemp("ray") / "head.log"
     ray_cli = Path(sys.executable).with_name("ray")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    doomed, hooks = doomed_worker_env(tmp_path_factory.mktemp("hooks"))
+    env = {**os.environ, **hooks, "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         head = subprocess.Popen([str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                                  f"--ray-client-server-port={_free_port()}", "--num-cpus=2",
@@ -45,7 +48,7 @@ def cluster(tmp_path_factory):
         while "--block" not in log.read_text() or "will now block" not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}", head.pid
+        yield f"127.0.0.1:{port}", doomed
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         head.wait(timeout=60)
@@ -94,44 +97,22 @@ def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
         assert [a[k] for k in floats] == pytest.approx([b[k] for k in floats], rel=1e-12, abs=1e-15)
 
 
-def _running_tasks(head_pid: int) -> list[psutil.Process]:
-    """The worker processes of this test's cluster that are running a checkpoint's analysis now."""
-    tasks = []
-    for process in psutil.Process(head_pid).children(recursive=True):
-        try:
-            if " ".join(process.cmdline()).startswith("ray::_analyze"):
-                tasks.append(process)
-        except psutil.Error:  # it exited since it was listed (or is a zombie its parent has not reaped yet)
-            continue
-    return tasks
-
-
 def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(cluster, tmp_path):
-    address, head = cluster
+    address, doomed = cluster
     args = [sys.executable, "-m", "headgraph", "sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"),
             "--out", str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
     env = _env()
-    lines, killed = [], []
-    with subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as driver:
-        try:
-            for line in driver.stderr:  # after the first stored checkpoint, kill the tasks still running
-                lines.append(line)
-                if line.startswith("stored "):
-                    deadline = time.monotonic() + 30
-                    while not (killed := _running_tasks(head)) and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                    for task in killed:
-                        task.send_signal(signal.SIGKILL)
-                    break
-            err = "".join(lines) + driver.stderr.read()
-            code = driver.wait(timeout=120)
-        finally:  # a failure here must not leave the driver running into the next test
-            if driver.poll() is None:
-                driver.kill()
-    assert killed and code == 1, err
+    doomed.write_text(MODELS[1])  # its worker dies with SIGKILL right after writing the checkpoint's run folder
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        doomed.unlink()
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert any(p.name.startswith(MODELS[1]) for p in (tmp_path / "runs").iterdir()), err  # died after writing it
+    assert "induction-2l-step3000 (step 3000): its Ray worker died before it finished" in err, err
     stored = sorted(line.split()[1] for line in err.splitlines() if line.startswith("stored "))
-    died = err.count("its Ray worker died")
-    assert died >= 1 and len(stored) + died == len(MODELS), err
+    assert stored == [MODELS[0], MODELS[2]], err  # a Ray task's death takes no other task with it
     with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:
         runs = store.read("MATCH (r:Run) RETURN r.id AS id, r.model AS model, r.status AS status").records()
         heads = {r["run"] for r in store.read("MATCH (h:Head) RETURN DISTINCT h.run_id AS run").records()}
