@@ -59,7 +59,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -687,10 +687,7 @@ def _patched_outputs(net: _Net, batch: _Batch, changes: list[tuple[int, int, tor
     if not net.causal:
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
     copies = len(changes)
-    inputs = replace(batch.inputs, input_ids=batch.inputs.input_ids.repeat(copies, 1),
-                     attention_mask=batch.inputs.attention_mask.repeat(copies, 1),
-                     token_type_ids=None if batch.inputs.token_type_ids is None
-                     else batch.inputs.token_type_ids.repeat(copies, 1))
+    inputs = batch.inputs.rows(torch.arange(b).repeat(copies))  # copy g is rows g*b .. (g+1)*b - 1
     out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
                                     return_type="logits" if net.causal else None, **model_kwargs(net.bridge, inputs))
     return out.reshape(copies, b, *out.shape[1:])
