@@ -99,6 +99,11 @@ class RunRecord:
     """The checkpoint's training step within its sweep (None: outside a sweep, or a model without a step)."""
     format_version: int = FORMAT_VERSION
 
+    @property
+    def has_effects(self) -> bool:
+        """Whether the causal stage ran and computed effects (not skipped, not --no-causal)."""
+        return self.causal is not None and "skipped" not in self.causal
+
     def to_json(self) -> dict[str, Any]:
         """The run.json object (strict JSON: NaN and infinities become null)."""
         data = {_JSON_NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -215,7 +215,7 @@ def rerun_options(run: Run) -> AnalyzeOptions:
         roles = RoleOptions(**{f.name: record.roles[f.name] for f in dataclasses.fields(RoleOptions)
                                if f.name in record.roles})
     causal = None
-    if record.causal and "skipped" not in record.causal:
+    if record.has_effects:
         per_set = list(record.causal["inputs"].values())
         causal = CausalOptions(n_inputs=max(per_set), ablation=record.causal["ablation"],
                                n_boot=record.causal["n_boot"], loss=False)  # every pair's local effect is compared

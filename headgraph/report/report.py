@@ -398,10 +398,6 @@ def _stability_blocks(run):
     return [("h", 2, "Stability"), ("p", text), ("table", summary_rows(report))]
 
 
-def _has_effects(run) -> bool:
-    return run.record.causal is not None and "skipped" not in run.record.causal
-
-
 def _causal_blocks(run, figs, table):
     """"Do the edges carry information?": the strongest effects, PK and CS judged against them (`table`:
     causal_evaluation), the scatter."""
@@ -506,7 +502,7 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     with drawing_figures(selection_figures(run, selected, classes), out_dir, advance=advance) as figures_drawn:
         # the evaluations while the figures are drawn
         evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
-        causal_table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD) if _has_effects(run) else None
+        causal_table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD) if run.record.has_effects else None
         figs = figures_drawn()
     blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected, causal_table)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
