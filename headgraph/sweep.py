@@ -20,6 +20,7 @@ A step is the checkpoint's position in training, read from its name; headgraph c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Any
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -216,32 +218,41 @@ def _in_processes(jobs: list[tuple[Checkpoint, AnalyzeOptions]], workers: int) -
                     yield checkpoint, None, f"{type(e).__name__}: {first_line(e)}"
 
 
-def _on_ray(jobs: list[tuple[Checkpoint, AnalyzeOptions]], address: str) -> Iterator[Finished]:
-    """The analyses as Ray tasks (one CPU and one torch thread each) on the cluster at `address`, as each
-    finishes; a task whose worker dies is not retried (it is reported, like a local worker's)."""
+@contextlib.contextmanager
+def _ray_cluster(address: str) -> Iterator[Any]:
+    """The `ray` module connected to the cluster at `address` (UsageError when Ray is missing or the cluster
+    does not answer), shut down on exit; connected before the store is opened, so a refused connection writes
+    nothing."""
     try:
         import ray
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'headgraph[ray]'") from None
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, ValueError, RuntimeError) as e:
+    except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as e:  # RayError: a missing token
         raise UsageError(f"cannot reach the Ray cluster at --ray {address}: {first_line(e)} (a cluster with token "
-                         "authentication, Ray's default, needs RAY_AUTH_MODE=token here too)") from None
+                         "authentication needs RAY_AUTH_MODE=token and its token, RAY_AUTH_TOKEN or "
+                         "RAY_AUTH_TOKEN_PATH, here too)") from None
     try:
-        remote = ray.remote(num_cpus=1, max_retries=0)(_analyze)
-        pending = {remote.remote(checkpoint, options, 1): checkpoint for checkpoint, options in jobs}
-        while pending:
-            (ready,), _ = ray.wait(list(pending), num_returns=1)
-            checkpoint = pending.pop(ready)
-            try:
-                yield checkpoint, ray.get(ready), None
-            except ray.exceptions.RayTaskError as e:  # the task raised: report its own exception
-                yield checkpoint, None, f"{type(e.cause).__name__}: {first_line(e.cause)}"
-            except ray.exceptions.RayError as e:  # the worker or its node died
-                yield checkpoint, None, f"its Ray worker died before it finished ({type(e).__name__})"
+        yield ray
     finally:
         ray.shutdown()
+
+
+def _on_ray(jobs: list[tuple[Checkpoint, AnalyzeOptions]], ray: Any) -> Iterator[Finished]:
+    """The analyses as Ray tasks (one CPU and one torch thread each) on the connected cluster, as each
+    finishes; a task whose worker dies is not retried (it is reported, like a local worker's)."""
+    remote = ray.remote(num_cpus=1, max_retries=0)(_analyze)
+    pending = {remote.remote(checkpoint, options, 1): checkpoint for checkpoint, options in jobs}
+    while pending:
+        (ready,), _ = ray.wait(list(pending), num_returns=1)
+        checkpoint = pending.pop(ready)
+        try:
+            yield checkpoint, ray.get(ready), None
+        except ray.exceptions.RayTaskError as e:  # the task raised: report its own exception
+            yield checkpoint, None, f"{type(e.cause).__name__}: {first_line(e.cause)}"
+        except ray.exceptions.RayError as e:  # the worker or its node died
+            yield checkpoint, None, f"its Ray worker died before it finished ({type(e).__name__})"
 
 
 def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str = "sweep",
@@ -256,7 +267,9 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
     # the model name its runs are stored under; an unknown model fails here, before any work
     keys = {c: (resolve_model(c.model)[0], c.step) for c in checkpoints}
     description = options.analyze.store.check()
-    with options.analyze.store.open() as store:  # held for the whole sweep: the driver is the store's one writer
+    cluster = _ray_cluster(options.ray) if options.ray is not None else contextlib.nullcontext()
+    # the store is held for the whole sweep: the driver is its one writer
+    with cluster as ray, options.analyze.store.open() as store:
         stored = {(row["model"], row["step"]): row["id"] for row in store.read(SWEEP_RUNS_QUERY, {"sweep": identity}).records()}
         done = [SweepRun(c, stored[keys[c]], None) for c in checkpoints if keys[c] in stored]
         jobs = [(c, dataclasses.replace(options.analyze, out_dir=str(base / c.name), store=None, sweep=identity,
@@ -266,7 +279,7 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
         failures: list[str] = []
         with progress_bar(console, progress) as bar:
             task = bar.add_task(f"sweep {identity}", total=len(checkpoints), completed=len(done))
-            results = (_on_ray(jobs, options.ray) if options.ray is not None
+            results = (_on_ray(jobs, ray) if ray is not None
                        else _in_processes(jobs, min(options.workers, max(1, len(jobs)))))
             for checkpoint, analysed, failure in results if jobs else ():
                 if failure is not None:

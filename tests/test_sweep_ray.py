@@ -6,6 +6,7 @@ tasks' runs are stored and the rerun completes the sweep. Needs the optional ext
 scripts/test installs."""
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,12 +33,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(address, doomed-checkpoint file) of a two-CPU Ray head on 127.0.0.1 (token authentication, Ray's
-    default: its clients set RAY_AUTH_MODE=token); its workers carry the doomed-worker hook (tests/_doomed.py)."""
+    """(address, doomed-checkpoint file, client environment) of a two-CPU Ray head on 127.0.0.1 with token
+    authentication and a token of its own (Ray 2.60 turns it on only where it finds a token, such as one a
+    local `ray.init()` left in ~/.ray, so the test sets both, for the head and its clients); its workers carry
+    the doomed-worker hook (tests/_doomed.py)."""
     port, log = _free_port(), tmp_path_factory.mktemp("ray") / "head.log"
     ray_cli = Path(sys.executable).with_name("ray")
     doomed, hooks = doomed_worker_env(tmp_path_factory.mktemp("hooks"))
-    env = {**os.environ, **hooks, "OMP_NUM_THREADS": "1"}
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {**os.environ, **hooks, **auth, "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         head = subprocess.Popen([str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                                  f"--ray-client-server-port={_free_port()}", "--num-cpus=2",
@@ -48,7 +52,7 @@ def cluster(tmp_path_factory):
         while "--block" not in log.read_text() or "will now block" not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}", doomed
+        yield f"127.0.0.1:{port}", doomed, {**os.environ, **auth, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         head.wait(timeout=60)
@@ -72,15 +76,11 @@ def _content(db) -> dict:
             "edges": [(r["step"], strip(r["edge"])) for r in edges]}
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
-
-
 def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
     def sweep(where, *engine):
         args = [sys.executable, "-m", "headgraph", "sweep", *MODELS[:2], *engine, "--db", str(tmp_path / f"{where}.lbdb"),
                 "--out", str(tmp_path / where), *SMALL]
-        done = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=300)
+        done = subprocess.run(args, capture_output=True, text=True, env=cluster[2], timeout=300)
         assert done.returncode == 0, done.stderr
         return _content(tmp_path / f"{where}.lbdb")
 
@@ -98,10 +98,9 @@ def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
 
 
 def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(cluster, tmp_path):
-    address, doomed = cluster
+    address, doomed, env = cluster
     args = [sys.executable, "-m", "headgraph", "sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"),
             "--out", str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
-    env = _env()
     doomed.write_text(MODELS[1])  # its worker dies with SIGKILL right after writing the checkpoint's run folder
     try:
         done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
@@ -125,3 +124,15 @@ def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_compl
         after = store.read("MATCH (r:Run) RETURN r.id AS id, r.step AS step, r.status AS status ORDER BY step").records()
     assert [(r["step"], r["status"]) for r in after] == [(2000, "complete"), (3000, "complete"), (4000, "complete")]
     assert {r["id"] for r in runs} <= {r["id"] for r in after}
+
+
+def test_a_client_without_the_clusters_token_is_one_line_exit_2_and_stores_nothing(cluster, tmp_path):
+    env = {k: v for k, v in cluster[2].items() if k != "RAY_AUTH_TOKEN"}
+    env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-token")  # not ~/.ray/auth_token, which a local ray.init() writes
+    done = subprocess.run([sys.executable, "-m", "headgraph", "sweep", MODELS[0], "--ray", cluster[0], "--db",
+                           str(tmp_path / "s.lbdb"), "--out", str(tmp_path / "runs"), *SMALL], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: cannot reach the Ray cluster at --ray {cluster[0]}: "), done.stderr
+    assert "RAY_AUTH_TOKEN" in done.stderr and "internal error" not in done.stderr, done.stderr
+    assert not (tmp_path / "runs").exists()
