@@ -5,9 +5,11 @@ spread over its load (and over the clean-up of an earlier crash), then the store
 After every kill: reads work, no run shown complete holds fewer rows than it records (nor than the model's
 pair count), and after the next command that opens the store for writing no earlier partial run is left.
 
-The moment is chosen inside the doomed process: a wrapper starts the real CLI with one store method wrapped
-so that the process sends itself SIGKILL before, during (a timer thread while the call runs) or right after
-the n-th call (or pauses there until told to go on). Nothing is mocked: the store files, the Neo4j server and the processes are real."""
+The moment is chosen inside the doomed process: each `headgraph` command is a real process, forked from one
+that has already imported headgraph (tests/_commands.py), running the real CLI with one store method wrapped so
+that the process sends itself SIGKILL before, during (a timer thread while the call runs) or right after the
+n-th call (or pauses there until told to go on). Nothing is mocked: the store files, the Neo4j server and the
+processes are real."""
 
 import json
 import os
@@ -17,61 +19,11 @@ import sys
 import uuid
 
 import pytest
+from _commands import Command, headgraph
 from click.testing import CliRunner
 
 from headgraph.cli import cli
 from headgraph.testing.synthetic import save_synthetic
-
-KILLER = r"""
-import os, signal, sys, threading, time
-
-from headgraph.cli import main
-from headgraph.loader.ladybug_store import LadybugStore
-from headgraph.loader.neo4j_store import Neo4jStore
-
-method, nth, when, scope = sys.argv[1].split(":")  # e.g. "_write_edges:12:after:load"
-nth, calls, inside = int(nth), [0], set()
-
-def kill():
-    os.kill(os.getpid(), signal.SIGKILL)
-
-def wrap(cls, name, wrapper):
-    original = cls.__dict__.get(name) or getattr(cls, name)
-    setattr(cls, name, lambda self, *a, **k: wrapper(original, self, *a, **k))
-
-def scoped(name):  # remember that we are inside `name` (the load's seal, or the clean-up of abandoned runs)
-    def run(original, self, *a, **k):
-        inside.add(name)
-        try:
-            return original(self, *a, **k)
-        finally:
-            inside.discard(name)
-    return run
-
-def target(original, self, *a, **k):
-    if scope != "load" and scope not in inside:
-        return original(self, *a, **k)
-    calls[0] += 1
-    if calls[0] != nth:
-        return original(self, *a, **k)
-    if when == "before":
-        kill()
-    if when == "during":
-        threading.Timer(0.002, kill).start()
-    result = original(self, *a, **k)
-    if when == "pause":  # hold the load here until the test says go on
-        print("paused", flush=True)
-        sys.stdin.readline()
-        return result
-    kill()
-    time.sleep(60)
-
-for cls in (LadybugStore, Neo4jStore):
-    wrap(cls, "_seal_run", scoped("_seal_run"))
-    wrap(cls, "remove_abandoned_runs", scoped("remove_abandoned_runs"))
-    wrap(cls, method, target)
-main(sys.argv[2:])
-"""
 
 ANALYZE = ["--types", "all", "--top-k", "0", "--no-roles", "--no-causal", "--no-report", "--null-heads", "2",
            "--reference-samples", "100", "--processing", "raw"]
@@ -84,11 +36,6 @@ def pair_count(n_layers, n_heads, types=16):
     return types * n_heads**2 * n_layers * (n_layers - 1) // 2
 
 
-def headgraph(*args, env=None):
-    return subprocess.run([sys.executable, "-c", "from headgraph.cli import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
-
-
 def read(*args, env):
     """A reading command (runs, cypher, query) run in this test's process, a reader other than the killed
     writer: (exit code, stdout, stderr)."""
@@ -98,8 +45,7 @@ def read(*args, env):
 
 def analyze_killed_at(moment, model, store_args, out, env):
     """Run `headgraph analyze` that kills itself at `moment`; the exit must be SIGKILL (the moment was reached)."""
-    process = subprocess.run([sys.executable, "-c", KILLER, moment, "analyze", str(model), *ANALYZE, "--out", str(out),
-                              *store_args], capture_output=True, text=True, env=env, timeout=300)
+    process = headgraph("analyze", str(model), *ANALYZE, "--out", str(out), *store_args, env=env, moment=moment)
     assert process.returncode == -signal.SIGKILL, f"{moment}: exit {process.returncode}\n{process.stderr[-2000:]}"
 
 
@@ -236,23 +182,20 @@ def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, 
 def test_runs_delete_refuses_a_run_a_live_writer_is_still_storing(tmp_path, synthetic_dir, neo4j_config):
     store_args = ["--neo4j", neo4j_config["uri"], "--neo4j-user", neo4j_config["user"]]
     env = {**os.environ, "NEO4J_PASSWORD": neo4j_config["password"]}
-    writer = subprocess.Popen([sys.executable, "-c", KILLER, "_write_edges:1:pause:load", "analyze", str(synthetic_dir),
-                               *ANALYZE, "--out", str(tmp_path / "run"), *store_args],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    writer = Command("analyze", str(synthetic_dir), *ANALYZE, "--out", str(tmp_path / "run"), *store_args, env=env,
+                     moment="_write_edges:1:pause:load")
     try:
-        assert writer.stdout.readline().strip() == "paused"
+        assert writer.paused()
         run_id = json.loads((tmp_path / "run" / "run.json").read_text())["id"]
         refused = headgraph("runs", "delete", run_id, *store_args, env=env)
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr == f"error: run {run_id} is still being stored by pid {writer.pid} on {os.uname().nodename}; wait for it to finish\n"
         other = headgraph("analyze", str(synthetic_dir), *ANALYZE, "--out", str(tmp_path / "other"), *store_args, env=env)
         assert other.returncode == 0, other.stderr  # a second writer's clean-up leaves the live one alone
-        writer.stdin.write("go on\n")
-        writer.stdin.flush()
-        assert writer.wait(timeout=120) == 0
+        writer.go_on()
+        assert writer.wait(timeout=120).returncode == 0
     finally:
         writer.kill()
-        writer.wait()
     listed = {r["id"]: r for r in json.loads(read("runs", "--format", "json", *store_args, env=env)[1])}
     assert listed[run_id]["status"] == "complete" and listed[run_id]["edges"] == pair_count(2, 4)
     for name in (run_id, json.loads((tmp_path / "other" / "run.json").read_text())["id"]):
