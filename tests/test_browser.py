@@ -6,7 +6,6 @@ with `--neo4j` pointing at the local server. Expectations come from the planted 
 pairs.parquet (its top-k selection recomputed here with pandas), never from the store."""
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -21,6 +20,7 @@ import neo4j
 import networkx as nx
 import pandas as pd
 import pytest
+from _commands import headgraph
 
 from headgraph.report.figures import TYPE_COLORS
 
@@ -156,13 +156,11 @@ def analyzed_run(local_neo4j, planted, tmp_path_factory):
     """`headgraph analyze` on the planted model into the local server: (driver, run id, truth, selected graph)."""
     folder, truth = planted
     out = tmp_path_factory.mktemp("analyze") / "run"
-    command = [
-        sys.executable, "-m", "headgraph", "analyze", str(folder), "--neo4j", local_neo4j.uri,
+    done = headgraph(
+        "analyze", str(folder), "--neo4j", local_neo4j.uri,
         "--top-k", str(TOP_K), "--n-inputs", "20", "--reference-samples", "2000", "--null-heads", "20", "--no-causal", "--no-report",
-        "--out", str(out), "--json",
-    ]  # fmt: skip
-    env = {**os.environ, "NEO4J_USER": local_neo4j.user, "NEO4J_PASSWORD": local_neo4j.password}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        "--out", str(out), "--json", env={"NEO4J_USER": local_neo4j.user, "NEO4J_PASSWORD": local_neo4j.password},
+    )  # fmt: skip
     assert done.returncode == 0, f"headgraph analyze failed:\n{done.stderr[-3000:]}"
     run_id = json.loads(done.stdout)["run_id"]
     graph = selected_graph(pd.read_parquet(out / "pairs.parquet"), TOP_K)

@@ -4,12 +4,10 @@ effects reach pairs.parquet, the run record, both stores, the `causal-edges` que
 `headgraph evaluate`."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
+from _commands import headgraph
 
 from headgraph.analysis.selection import SelectionPolicy, select_edges, select_graph
 from headgraph.loader.graph import build_run_graph
@@ -21,11 +19,6 @@ CIRCUIT = {("L0H2", f"L1H{h}") for h in range(4)}  # the OK edges of the inducti
 KEY = ["source", "target", "source_type", "target_type"]
 EFFECTS = ["effect", "effect_lo", "effect_hi"]
 LOSS = ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
-
-
-def headgraph(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "headgraph", *args], capture_output=True, text=True,
-                          env={**os.environ, "NEO4J_URI": "", **(env or {})}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,15 @@
 """`headgraph doctor` reports the real environment: the Neo4j server behind the fixture, the offline model."""
 
-import os
-import subprocess
-import sys
+from _commands import headgraph
 
 
-def _doctor(*args, env):
-    env = {**env, "COLUMNS": "400"}  # one table row per line, however long the path
-    return subprocess.run([sys.executable, "-m", "headgraph", "doctor", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+def _doctor(*args, env=None):
+    return headgraph("doctor", *args, env={**(env or {}), "COLUMNS": "400"})  # one table row per line
 
 
-def test_doctor_reports_neo4j_server_version_and_offline_model(neo4j_config, neo4j_driver, tmp_path, monkeypatch):
-    monkeypatch.setenv("NEO4J_USER", neo4j_config["user"])
-    monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
-    done = _doctor("--neo4j", neo4j_config["uri"], "--db", str(tmp_path / "g.lbdb"), env=dict(os.environ))
+def test_doctor_reports_neo4j_server_version_and_offline_model(neo4j_config, neo4j_driver, tmp_path):
+    env = {"NEO4J_USER": neo4j_config["user"], "NEO4J_PASSWORD": neo4j_config["password"]}
+    done = _doctor("--neo4j", neo4j_config["uri"], "--db", str(tmp_path / "g.lbdb"), env=env)
     assert done.returncode == 0, done.stderr
     agent = neo4j_driver.get_server_info().agent  # e.g. Neo4j/5.26.x, asked independently of doctor
     flat = " ".join(done.stdout.split())
@@ -24,8 +19,7 @@ def test_doctor_reports_neo4j_server_version_and_offline_model(neo4j_config, neo
 
 
 def test_doctor_says_why_neo4j_is_unreachable(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_")}
-    done = _doctor("--neo4j", "bolt://127.0.0.1:1", "--db", str(tmp_path / "g.lbdb"), env=env)
+    done = _doctor("--neo4j", "bolt://127.0.0.1:1", "--db", str(tmp_path / "g.lbdb"))
     assert done.returncode == 0, done.stderr
     assert "cannot reach Neo4j at bolt://127.0.0.1:1" in " ".join(done.stdout.split())
 
@@ -49,7 +43,6 @@ def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path)
                            after_batch=stop_half_way, cleanup_on_error=False)
         except KeyboardInterrupt:
             pass
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_")}
-    done = _doctor("--db", str(path), env=env)
+    done = _doctor("--db", str(path))
     assert done.returncode == 0, done.stderr
     assert f"{path} (readable: 1 complete, 1 loading)" in " ".join(done.stdout.split())

@@ -2,14 +2,12 @@
 `headgraph stability` / `analyze --stability` end to end on the shipped induction model."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from _commands import headgraph
 from scipy.stats import spearmanr
 
 from headgraph.analysis.selection import SelectionPolicy
@@ -58,11 +56,6 @@ def test_the_rank_tolerance_scale_moves_the_numerical_rank():
     matrices = (u * sigma).float()[None, None]
     ranks = {scale: int(orthonormal_bases(matrices, "Q", torch.float32, scale).ranks) for scale in (10.0, 1.0, 0.1)}
     assert ranks == {10.0: 15, 1.0: 15, 0.1: 16}
-
-
-def headgraph(*args):
-    return subprocess.run([sys.executable, "-m", "headgraph", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NEO4J_URI": ""})
 
 
 def test_stability_of_the_induction_model_end_to_end(tmp_path):

@@ -3,22 +3,14 @@ the planted hub leads the summary and the stored graph, planted roles reach the 
 written, and bad input stops before any work with one line and a non-zero exit code."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pandas as pd
 import pytest
+from _commands import headgraph
 
 FAST = ["--top-k", "5", "--n-inputs", "20", "--causal-n", "8", "--reference-samples", "2000"]
-
-
-def headgraph(*args, env=None):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("NEO4J_", "HEADGRAPH_"))}
-    environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "headgraph", *args], capture_output=True, text=True,
-                          env=environment, timeout=600)
 
 
 @pytest.fixture(scope="module")
