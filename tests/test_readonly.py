@@ -10,7 +10,6 @@ Neo4j tests use the real server (fixture neo4j_config), never mocked, never skip
 """
 
 import http.server
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import ladybug
 import neo4j
 import pytest
 from _cli import run_cli
+from _commands import headgraph
 from _pairs import HUB, planted_pairs, run_graph
 
 from headgraph.analysis.selection import SelectionPolicy
@@ -374,12 +374,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def run_measured(args, tmp_path, env=None):
+def run_measured(args, tmp_path):
     """(exit code, stdout, stderr, peak RSS in bytes) of `python -m headgraph ARGS` in its own process."""
     out, err, peak = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "peak-kib"
     command = [sys.executable, "-c", MEASURE, str(peak), sys.executable, "-m", "headgraph", *args]
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.run(command, stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})}).returncode
+        code = subprocess.run(command, stdout=stdout, stderr=stderr).returncode
     return code, out.read_text(), err.read_text(), int(peak.read_text()) * 1024
 
 
@@ -410,12 +410,11 @@ def test_paths_on_a_dense_neo4j_run_fails_cleanly_or_answers(tmp_path, neo4j_con
     with open_store(neo4j=config["uri"], user=config["user"], password=config["password"]) as store:
         store.load_run(dense_graph())
         try:
-            args = [*PATHS, "--run", DENSE, "--neo4j", config["uri"], "--neo4j-user", config["user"]]
-            env = {"NEO4J_PASSWORD": config["password"], "HEADGRAPH_QUERY_TIMEOUT": "2"}
-            code, out, err, _ = run_measured(args, tmp_path, env)
+            done = headgraph(*PATHS, "--run", DENSE, "--neo4j", config["uri"], "--neo4j-user", config["user"],
+                             env={"NEO4J_PASSWORD": config["password"], "HEADGRAPH_QUERY_TIMEOUT": "2"})
         finally:
             store.delete_run(DENSE)
-    assert_bounded(code, out, err)
+    assert_bounded(done.returncode, done.stdout, done.stderr)
 
 
 def test_a_bad_query_timeout_is_named(capsys, lbdb, monkeypatch):

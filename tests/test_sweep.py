@@ -6,22 +6,21 @@ sweep; the sweep's queries read back what the run folders hold, and show the pha
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from _cli import run_cli
+from _commands import headgraph
 from _doomed import doomed_worker_env
 
+from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.errors import UsageError
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import PACKAGED_MODELS_DIR
 from headgraph.loader.open_store import StoreSpec
 from headgraph.queries.runner import run_named
 from headgraph.report.report import render_report
-from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.runs import load_run
 from headgraph.sweep import SweepOptions, checkpoints_in, checkpoints_of, run_sweep
 from headgraph.workflow import AnalyzeOptions
@@ -180,12 +179,12 @@ def test_a_sweep_into_neo4j_is_tagged_and_resumed(neo4j_config, tmp_path, monkey
 
 def test_a_killed_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(tmp_path):
     models = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
-    args = [sys.executable, "-m", "headgraph", "sweep", *models, "--db", str(tmp_path / "s.lbdb"), "--out",
-            str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
+    args = ["sweep", *models, "--db", str(tmp_path / "s.lbdb"), "--out", str(tmp_path / "runs"), "--no-causal",
+            "--no-roles", *SMALL[:5]]
     doomed, hooks = doomed_worker_env(tmp_path / "hooks")
-    env = {**os.environ, **hooks, "OMP_NUM_THREADS": "1"}
+    env = {**hooks, "OMP_NUM_THREADS": "1"}  # the driver's environment reaches its spawned workers
     doomed.write_text(models[1])
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    done = headgraph(*args, env=env, timeout=300)
     doomed.unlink()
     err = done.stderr
     assert done.returncode == 1, err
@@ -198,7 +197,7 @@ def test_a_killed_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes
         heads = store.read("MATCH (h:Head) RETURN DISTINCT h.run_id AS run").records()
     assert [(r["model"], r["status"]) for r in first] == [("induction-2l-step2000", "complete")]
     assert heads == [{"run": first[0]["id"]}]  # no rows of the killed checkpoint
-    rerun = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    rerun = headgraph(*args, env=env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert "3 checkpoints, 1 already stored" in rerun.stderr
     with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:

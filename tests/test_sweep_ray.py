@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from _commands import headgraph
 from _doomed import doomed_worker_env
 
 from headgraph.loader.ladybug_store import LadybugStore
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
 SMALL = ["--no-report", "--null-heads", "8", "--reference-samples", "500", "--n-inputs", "16", "--causal-n", "8"]
 VOLATILE = {"key", "run_id", "_label"}  # differ between two stores of the same content: ids and labels
@@ -52,7 +52,7 @@ def cluster(tmp_path_factory):
         while "--block" not in log.read_text() or "will now block" not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}", doomed, {**os.environ, **auth, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        yield f"127.0.0.1:{port}", doomed, {**auth, "OMP_NUM_THREADS": "1"}
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
         head.wait(timeout=60)
@@ -78,9 +78,8 @@ def _content(db) -> dict:
 
 def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
     def sweep(where, *engine):
-        args = [sys.executable, "-m", "headgraph", "sweep", *MODELS[:2], *engine, "--db", str(tmp_path / f"{where}.lbdb"),
-                "--out", str(tmp_path / where), *SMALL]
-        done = subprocess.run(args, capture_output=True, text=True, env=cluster[2], timeout=300)
+        done = headgraph("sweep", *MODELS[:2], *engine, "--db", str(tmp_path / f"{where}.lbdb"), "--out",
+                         str(tmp_path / where), *SMALL, env=cluster[2], timeout=300)
         assert done.returncode == 0, done.stderr
         return _content(tmp_path / f"{where}.lbdb")
 
@@ -99,11 +98,11 @@ def test_ray_tasks_store_what_local_workers_store(cluster, tmp_path):
 
 def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_completes(cluster, tmp_path):
     address, doomed, env = cluster
-    args = [sys.executable, "-m", "headgraph", "sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"),
-            "--out", str(tmp_path / "runs"), "--no-causal", "--no-roles", *SMALL[:5]]
+    args = ["sweep", *MODELS, "--ray", address, "--db", str(tmp_path / "s.lbdb"), "--out", str(tmp_path / "runs"),
+            "--no-causal", "--no-roles", *SMALL[:5]]
     doomed.write_text(MODELS[1])  # its worker dies with SIGKILL right after writing the checkpoint's run folder
     try:
-        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+        done = headgraph(*args, env=env, timeout=300)
     finally:
         doomed.unlink()
     err = done.stderr
@@ -117,7 +116,7 @@ def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_compl
         heads = {r["run"] for r in store.read("MATCH (h:Head) RETURN DISTINCT h.run_id AS run").records()}
     assert sorted(r["model"] for r in runs) == stored and {r["status"] for r in runs} == {"complete"}
     assert heads == {r["id"] for r in runs}  # no rows of a killed task's checkpoint
-    rerun = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    rerun = headgraph(*args, env=env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert f"{len(MODELS)} checkpoints, {len(stored)} already stored" in rerun.stderr
     with LadybugStore(tmp_path / "s.lbdb", read_only=True) as store:
@@ -129,9 +128,8 @@ def test_a_killed_ray_worker_leaves_no_run_of_its_checkpoint_and_the_rerun_compl
 def test_a_client_without_the_clusters_token_is_one_line_exit_2_and_stores_nothing(cluster, tmp_path):
     env = {k: v for k, v in cluster[2].items() if k != "RAY_AUTH_TOKEN"}
     env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-token")  # not ~/.ray/auth_token, which a local ray.init() writes
-    done = subprocess.run([sys.executable, "-m", "headgraph", "sweep", MODELS[0], "--ray", cluster[0], "--db",
-                           str(tmp_path / "s.lbdb"), "--out", str(tmp_path / "runs"), *SMALL], capture_output=True,
-                          text=True, env=env, timeout=300)
+    done = headgraph("sweep", MODELS[0], "--ray", cluster[0], "--db", str(tmp_path / "s.lbdb"), "--out",
+                     str(tmp_path / "runs"), *SMALL, env=env, timeout=300)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: cannot reach the Ray cluster at --ray {cluster[0]}: "), done.stderr
     assert "RAY_AUTH_TOKEN" in done.stderr and "internal error" not in done.stderr, done.stderr

@@ -4,11 +4,8 @@ analysed end to end. Real model folders, a real LadybugDB file and the session's
 mid-load is the real server behind a TCP forwarder that the test cuts."""
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -16,6 +13,7 @@ import uuid
 import pytest
 import torch
 from _cli import run_cli
+from _commands import headgraph
 from _pairs import HUB, planted_pairs, run_graph
 
 from headgraph.analysis.selection import SelectionPolicy
@@ -265,12 +263,11 @@ def test_neo4j_lost_mid_load_fails_within_15_s_with_one_line(neo4j_config, neo4j
     model = save_synthetic(tmp_path / name, n_layers=6, n_heads=8, d_model=64, d_head=8)
     # 15,360 edges (16 types x 960 pairs) are ~2.5 MB of Bolt; the schema, the Run and the heads ~30 kB
     forwarder = CuttableForwarder((host, int(port)), cut_after=300_000)
-    env = {**os.environ, "NEO4J_USER": neo4j_config["user"], "NEO4J_PASSWORD": neo4j_config["password"]}
+    env = {"NEO4J_USER": neo4j_config["user"], "NEO4J_PASSWORD": neo4j_config["password"]}
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "headgraph", "analyze", str(model), "--neo4j", f"bolt://127.0.0.1:{forwarder.port}",
-             "--types", "all", "--top-k", "0", *FAST, "--no-roles", "--no-report", "--out", str(tmp_path / "r")],
-            capture_output=True, text=True, env=env, timeout=120)
+        done = headgraph("analyze", str(model), "--neo4j", f"bolt://127.0.0.1:{forwarder.port}", "--types", "all",
+                         "--top-k", "0", *FAST, "--no-roles", "--no-report", "--out", str(tmp_path / "r"), env=env,
+                         timeout=120)
         ended = time.monotonic()
         assert forwarder.cut_at is not None, done.stderr
         assert done.returncode == 3, done.stderr
