@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
