@@ -24,9 +24,12 @@ import tempfile
 import threading
 import time
 
+from headgraph.cli import PROCESS_ENVIRONMENT
+
 PRELOAD = ["headgraph.cli", "headgraph.loader.ladybug_store", "headgraph.loader.neo4j_store",
            "transformer_lens.model_bridge"]
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # headgraph's process setting, read when OpenMP loads
+for _name, _value in PROCESS_ENVIRONMENT.items():  # headgraph's process settings, read when OpenMP loads
+    os.environ.setdefault(_name, _value)
 _forkserver = multiprocessing.get_context("forkserver")
 _forkserver.set_forkserver_preload(PRELOAD)
 
