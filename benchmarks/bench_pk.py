@@ -21,7 +21,8 @@ fp32 GEMM peak, best of square matmuls before and after, and the fraction of tha
 peak memory above the inputs (CUDA: max_memory_allocated; CPU: resident set sampled every 5 ms), and a
 per-step table of whole default `headgraph analyze` processes (fresh, cold, as a user runs them: roles, causal
 effects, report and an embedded store included; the PK stages broken out) on a saved random-init GPT-2-small
-folder.
+folder, with the floor of its two largest stages: the role stage's matmul FLOPs (counted by torch's
+FlopCounterMode) and the model-matched null's planned FLOPs, each at the GEMM peak.
 """
 
 import argparse
@@ -281,10 +282,41 @@ def analyze_steps(device: str, types: str, folder: Path, work: Path, max_memory:
     wall = time.perf_counter() - start
     run = json.loads((work / "run" / "run.json").read_text())
     steps = json.loads(done.stdout)["timings_s"]
-    return {"wall": wall, "steps": steps, "stages": run["timings_s"], "formulation": run["engine"]["pass"]["formulation"]}
+    return {"wall": wall, "steps": steps, "stages": run["timings_s"], "formulation": run["engine"]["pass"]["formulation"],
+            "null_flops": run["null_model"]["pass"]["flops"]}
 
 
-def bench_analyze(device: str, repeat: int, max_memory: str) -> None:
+def role_flops(folder: Path, device: str) -> float:
+    """Matmul FLOPs of the role stage on the folder's model: torch's FlopCounterMode over compute_roles with the
+    default RoleOptions (the forward passes to the last attention pattern, as analyze runs them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from headgraph.analysis.roles import compute_roles
+    from headgraph.loader.models import load_model
+
+    model = load_model(str(folder), device=device)
+    with FlopCounterMode(display=False) as counter:
+        compute_roles(model)
+    return float(counter.get_total_flops())
+
+
+def floor_rows(runs: dict, folder: Path, device: str, gemm_n: int) -> list[str]:
+    """The compute floor of the analyze's two largest stages, at the fp32 GEMM peak: the role stage's counted
+    FLOPs, and the model-matched null's planned FLOPs (its formulation's, each null head built once)."""
+    gemm = gemm_flops_per_s(device, gemm_n)
+    roles = role_flops(folder, device)
+    lines = [f"  fp32 GEMM peak {gemm / 1e9:.1f} GFLOP/s ({gemm_n}^3)"]
+    for types, results in runs.items():
+        best = min(results, key=lambda r: r["wall"])
+        null = best["null_flops"]
+        lines.append(f"  floor --types {types}: roles {roles / 1e9:.0f} GFLOP = {roles / gemm:.1f} s at the peak "
+                     f"(ran {best['steps']['roles']:.1f} s), model-matched null {null / 1e9:.0f} GFLOP = "
+                     f"{null / gemm:.1f} s (ran {best['stages']['model_null']:.1f} s); their sum "
+                     f"{(roles + null) / gemm:.1f} s of the fastest process's {best['wall']:.1f} s")
+    return lines
+
+
+def bench_analyze(device: str, repeat: int, max_memory: str, gemm_n: int) -> None:
     from headgraph.testing.synthetic import save_synthetic
 
     print(f"\n== whole `headgraph analyze` processes (defaults: roles, causal effects, report, embedded store), "
@@ -299,6 +331,7 @@ def bench_analyze(device: str, repeat: int, max_memory: str) -> None:
                 work = Path(tmp) / f"{types}-{i}"
                 work.mkdir()
                 runs[types].append(analyze_steps(device, types, folder, work, max_memory))
+        floors = floor_rows(runs, folder, device, gemm_n)
     first = next(iter(runs.values()))[0]
     rows = [(step, lambda r, step=step: r["steps"].get(step, 0.0)) for step in first["steps"]]
     at = [name for name, _ in rows].index("pk_and_significance") + 1
@@ -309,6 +342,7 @@ def bench_analyze(device: str, repeat: int, max_memory: str) -> None:
     for name, value in rows:
         print(f"  {name:<26}" + "".join(f"{value(r):12.2f}" for results in runs.values() for r in results))
     print(f"  formulation: {', '.join(sorted({r['formulation'] for rs in runs.values() for r in rs}))}")
+    print("\n".join(floors))
 
 
 def main():
@@ -338,7 +372,7 @@ def main():
         if args.only is None or (args.only == "gpt2") == shape.name.startswith("GPT-2"):
             bench(shape, args.device, args)
     if not args.skip_analyze and args.only != "large":
-        bench_analyze(args.device, args.analyze_repeat or args.repeat, args.max_memory)
+        bench_analyze(args.device, args.analyze_repeat or args.repeat, args.max_memory, args.gemm_n)
 
 
 if __name__ == "__main__":
