@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 work=$(mktemp -d)
 trap 'for t in "$work"/tree-*; do git -C "$root" worktree remove --force "$t" 2>/dev/null || true; done
-      rm -rf "$work"; python3 -m pip install -q --disable-pip-version-check -e "$root[test,ray]"' EXIT
+      rm -rf "$work"; python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e "$root[test,ray]"' EXIT
 
 revisions=("$@" HEAD "$1")
 for i in "${!revisions[@]}"; do
