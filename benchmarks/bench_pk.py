@@ -21,8 +21,8 @@ fp32 GEMM peak, best of square matmuls before and after, and the fraction of tha
 peak memory above the inputs (CUDA: max_memory_allocated; CPU: resident set sampled every 5 ms), and a
 per-step table of whole default `headgraph analyze` processes (fresh, cold, as a user runs them: roles, causal
 effects, report and an embedded store included; the PK stages broken out) on a saved random-init GPT-2-small
-folder, with the floor of its two largest stages: the role stage's matmul FLOPs (counted by torch's
-FlopCounterMode) and the model-matched null's planned FLOPs, each at the GEMM peak.
+folder, with the floor of its two largest stages after the causal ones: the role stage's matmul FLOPs (counted
+by torch's FlopCounterMode) and the model-matched null's planned FLOPs, each at the GEMM peak.
 """
 
 import argparse
@@ -301,8 +301,9 @@ def role_flops(folder: Path, device: str) -> float:
 
 
 def floor_rows(runs: dict, folder: Path, device: str, gemm_n: int) -> list[str]:
-    """The compute floor of the analyze's two largest stages, at the fp32 GEMM peak: the role stage's counted
-    FLOPs, and the model-matched null's planned FLOPs (its formulation's, each null head built once)."""
+    """The compute floor of two stages of the analyze, at the fp32 GEMM peak: the role stage's counted FLOPs, and
+    the model-matched null's planned FLOPs (its formulation's, each null head built once; drawing the null heads
+    is not counted)."""
     gemm = gemm_flops_per_s(device, gemm_n)
     roles = role_flops(folder, device)
     lines = [f"  fp32 GEMM peak {gemm / 1e9:.1f} GFLOP/s ({gemm_n}^3)"]
