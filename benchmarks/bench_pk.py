@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from headgraph.cli import PROCESS_ENVIRONMENT, parse_memory_size
+from headgraph.cli import PROCESS_ENVIRONMENT, apply_process_environment, parse_memory_size
 
-for _name, _value in PROCESS_ENVIRONMENT.items():  # as every `headgraph` process runs; before torch loads
-    os.environ.setdefault(_name, _value)
+apply_process_environment()  # as every `headgraph` process runs; before torch loads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -547,10 +547,16 @@ def neo4j_browser():
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def main(argv=None):
-    """Console entry point: user-facing errors become one line on stderr and a non-zero exit code."""
+def apply_process_environment() -> None:
+    """Set PROCESS_ENVIRONMENT where the user has not: call it before torch loads (the benchmarks and the tests'
+    command server run their processes as `headgraph` does)."""
     for name, value in PROCESS_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+def main(argv=None):
+    """Console entry point: user-facing errors become one line on stderr and a non-zero exit code."""
+    apply_process_environment()
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         cli.main(args=args, prog_name="headgraph", standalone_mode=False)

@@ -24,12 +24,11 @@ import tempfile
 import threading
 import time
 
-from headgraph.cli import PROCESS_ENVIRONMENT
+from headgraph.cli import apply_process_environment
 
 PRELOAD = ["headgraph.cli", "headgraph.loader.ladybug_store", "headgraph.loader.neo4j_store",
            "transformer_lens.model_bridge"]
-for _name, _value in PROCESS_ENVIRONMENT.items():  # headgraph's process settings, read when OpenMP loads
-    os.environ.setdefault(_name, _value)
+apply_process_environment()  # headgraph's process settings, read when OpenMP loads in the forkserver
 _forkserver = multiprocessing.get_context("forkserver")
 _forkserver.set_forkserver_preload(PRELOAD)
 
