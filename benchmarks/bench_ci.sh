@@ -19,10 +19,10 @@ for i in "${!revisions[@]}"; do
   rev=$(git rev-parse --short "${revisions[$i]}")
   tree="$work/tree-$i"
   git worktree add --detach --quiet "$tree" "$rev"
-  start=$(date +%s.%N)
+  start=$SECONDS
   status=0
   (cd "$tree" && bash .ci/run) > "$work/log-$i" 2>&1 || status=$?
-  seconds=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$start" "$(date +%s.%N)")
+  seconds=$((SECONDS - start))
   echo "$rev $seconds $status" >> "$work/times"
   printf '%-10s %6s s  exit %-3s %s\n' "$rev" "$seconds" "$status" "$(grep -E 'passed|failed' "$work/log-$i" | tail -1)"
   git worktree remove --force "$tree"
