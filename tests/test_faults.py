@@ -134,7 +134,8 @@ import os, signal, sys
 from headgraph.cli import main
 from headgraph.report import figures, report
 
-when, leader = sys.argv[1], os.getpid()
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's job gets Ctrl-C, also where this test's
+when, leader = sys.argv[1], os.getpid()                   # runner inherited SIGINT ignored (a background job)
 render, save = report.render_report, figures.save_figure
 
 def before_the_report(*args, **kwargs):
