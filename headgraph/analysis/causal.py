@@ -276,7 +276,6 @@ class _Batch:
     z: torch.Tensor  # the model's z [L, b, T, H, e]
     dz: torch.Tensor  # z(x') - z(x) [L, b, T, H, e], 0 where x or x' has no token
     norms: list[tuple[torch.Tensor, ...]] | None  # post-LN: (ln1 in, ln1 out, ln2 in, ln2 out) of layers < L-1
-    output: torch.Tensor | None  # clean logits (decoder) or final hidden states (encoder), when asked for
 
 
 def _z_names(net: _Net) -> list[str]:
@@ -307,22 +306,18 @@ def _mean_z(net: _Net, inputs: TokenInputs, batch_size: int, advance: Callable[[
     return total / count.clamp(min=1).to(total.device)[None, :, None, None]
 
 
-def _batches(net: _Net, sets, corrupted, batch_size: int, with_output: bool,
-             advance: Callable[[], None]) -> Iterator[_Batch]:
+def _batches(net: _Net, sets, corrupted, batch_size: int, advance: Callable[[], None]) -> Iterator[_Batch]:
     L = net.n_layers
     names = _z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
     if net.post_ln:
         names += [f"blocks.{l}.ln{i}.hook_in" for l in range(L - 1) for i in (1, 2)]
-    if with_output and not net.causal:
-        names.append(f"blocks.{L - 1}.hook_resid_post")
     offset = 0
     for clean_set, corrupt_set in zip(sets, corrupted):
         mean = _mean_z(net, clean_set, batch_size, advance) if corrupt_set is None else None
         for start in range(0, len(clean_set), batch_size):
             stop = min(start + batch_size, len(clean_set))
             batch = clean_set.batch(start, stop)
-            logits, cache = run_with_activations(net.bridge, batch, names,
-                                                 "logits" if with_output and net.causal else None)
+            _, cache = run_with_activations(net.bridge, batch, names)
             z = torch.stack([cache[name] for name in _z_names(net)]).float()
             T = z.shape[2]
             real = batch.attention_mask.bool().to(z.device)
@@ -340,13 +335,10 @@ def _batches(net: _Net, sets, corrupted, batch_size: int, with_output: bool,
                 for l in range(L - 1):
                     a1, a2 = cache[f"blocks.{l}.ln1.hook_in"], cache[f"blocks.{l}.ln2.hook_in"]
                     norms.append((a1, net.norm(l, 1, a1), a2, net.norm(l, 2, a2)))
-            output = None
-            if with_output:
-                output = logits if net.causal else cache[f"blocks.{L - 1}.hook_resid_post"]
             yield _Batch(rows=slice(offset + start, offset + stop), inputs=batch, real=real, visible=visible,
                          queries=(real & (visible.sum(-1) > 1)).float(),
                          resid=[cache[f"blocks.{l}.hook_resid_pre"] for l in range(L)], z=z,
-                         dz=torch.where(both, z_alt - z, torch.zeros_like(z)), norms=norms, output=output)
+                         dz=torch.where(both, z_alt - z, torch.zeros_like(z)), norms=norms)
             advance()
         offset += len(clean_set)
 
@@ -596,7 +588,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
     kept = max_memory // 4 if factor else 0  # a quarter of the budget for the kept W_O Γ W, the rest per step
     weights = _FactoredWeights(net, kinds, kept) if factor else None
-    for batch in _batches(net, sets, alternatives, batch_size, False, advance):
+    for batch in _batches(net, sets, alternatives, batch_size, advance):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
         receivers = {l: _receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
@@ -664,47 +656,55 @@ def _head_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: st
     return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
 
 
-def _patched_outputs(net: _Net, batch: _Batch, changes: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-    """Logits (decoder) or final hidden states (encoder) [G, b, T, .] of G patched copies of the batch, one
-    forward pass: copy g has head changes[g][1] of layer changes[g][0] with its z changed by changes[g][2]
-    [b, T, e], the rest of the model run on it."""
+def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """Logits (decoder) or final hidden states (encoder) [1 + G, T, .] of one input (`inputs`, one row, no
+    padding) in one forward pass: row 0 clean, row 1 + g with head changes[g][1] of layer changes[g][0] (layers
+    in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it.
+
+    Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
+    once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
     from transformer_lens.model_bridge.exceptions import StopAtLayerException
 
-    b, T = batch.real.shape
-    additions = {}
+    joining = {}  # layer -> (first row, heads, dz [k, T, e]) of the copies that join there
     for g, (layer, head, dz) in enumerate(changes):
-        if layer not in additions:
-            additions[layer] = torch.zeros(len(changes) * b, T, net.n_heads, dz.shape[-1], device=dz.device)
-        additions[layer][g * b:(g + 1) * b, :, head] = dz
+        first, heads, dzs = joining.get(layer, (1 + g, [], []))
+        joining[layer] = (first, heads + [head], dzs + [dz])
+
+    def join(resid, hook):
+        k = len(joining[int(hook.name.split(".")[1])][1])
+        return torch.cat([resid, resid[:1].expand(k, *resid.shape[1:])])
 
     def patch(z, hook):
-        return z + additions[int(hook.name.split(".")[1])].to(z.dtype)
+        first, heads, dzs = joining[int(hook.name.split(".")[1])]
+        z = z.clone()
+        z[torch.arange(first, first + len(heads)), :, torch.tensor(heads)] += torch.stack(dzs).to(z.dtype)
+        return z
 
     def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
         raise StopAtLayerException(hidden)
 
-    hooks = [(f"blocks.{layer}.attn.hook_z", patch) for layer in additions]
+    hooks = [hook for layer in joining for hook in ((f"blocks.{layer}.hook_resid_pre", join),
+                                                     (f"blocks.{layer}.attn.hook_z", patch))]
     if not net.causal:
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
-    copies = len(changes)
-    inputs = batch.inputs.rows(torch.arange(b).repeat(copies))  # copy g is rows g*b .. (g+1)*b - 1
-    out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                    return_type="logits" if net.causal else None, **model_kwargs(net.bridge, inputs))
-    return out.reshape(copies, b, *out.shape[1:])
+    return net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                     return_type="logits" if net.causal else None, **model_kwargs(net.bridge, inputs))
 
 
-def _copies_per_pass(net: _Net, batch: _Batch, max_memory: int) -> int:
-    """Patched copies of a batch per forward pass so that its widest activations (the logits and their
-    log-softmax, or the MLP's 4 d_model, float32) stay within max_memory bytes."""
-    b, T, d = batch.resid[0].shape
+def _copies_per_pass(net: _Net, length: int, max_memory: int) -> int:
+    """Patched copies of one input of `length` tokens per forward pass so that its widest activations (the
+    logits and their log-softmax, or the MLP's 4 d_model, float32) stay within max_memory bytes."""
+    d = net.bridge.cfg.d_model
     width = net.bridge.cfg.d_vocab * 2 if net.causal else 4 * d
-    return max(1, max_memory // (4 * b * T * (width + 8 * d)))
+    return max(1, max_memory // (4 * length * (width + 8 * d)) - 1)
 
 
 def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy [b, T-1] of every position."""
-    targets = input_ids[:, 1:].to(logits.device)
-    return -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets[..., None])[..., 0]
+    """Next-token cross-entropy [G, T-1] of every position of G copies (logits [G, T, V]) of one input
+    (input_ids [T]), as logsumexp minus the target's logit: no [G, T, V] log-softmax is written."""
+    logits = logits[:, :-1].float()
+    targets = input_ids[1:].to(logits.device).expand(len(logits), -1)
+    return torch.logsumexp(logits, -1) - logits.gather(-1, targets[..., None])[..., 0]
 
 
 @torch.no_grad()
@@ -719,7 +719,8 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     arguments give the same counterfactuals). Returns those four columns, in the edges' order, with
     effect_loss, effect_loss_lo, effect_loss_hi: decoder, patched minus clean next-token cross-entropy in nats
     per predicted token (positive = the path helps the model); encoder, ||h' - h||_F / ||h||_F of the final
-    hidden states. The edges' patched copies of a batch share forward passes (`max_memory` bytes each).
+    hidden states. An input's patched copies share forward passes (`max_memory` bytes each), each copy
+    joining at its target layer: the layers before it run once per pass, not once per edge.
     """
     _check_counts(n_boot, batch_size)
     sets = _input_sets(inputs, "inputs")
@@ -729,12 +730,11 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     n = sum(len(s) for s in sets)
     num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
     advance = _progress(progress, "causal: loss effects", sets, batch_size, ablation == "mean")
-    for batch in _batches(net, sets, alternatives, batch_size, True, advance):
-        if net.causal:
-            predicted = batch.real[:, 1:].float()
-            clean = _token_losses(batch.output, batch.inputs.input_ids)
+    order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
+    for batch in _batches(net, sets, alternatives, batch_size, advance):
         receivers, changes = {}, []
-        for sender_layer, sender, layer, head, kind in parsed:
+        for e in order:
+            sender_layer, sender, layer, head, kind = parsed[e]
             if layer not in receivers:
                 receivers[layer] = _receiver_layer(net, batch, layer)
             delta = _sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
@@ -742,20 +742,22 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
                 delta = _carry(net, batch, between, delta)
             dx = _input_change(net, batch, receivers[layer], layer, delta)
             changes.append((layer, head, _head_change(net, receivers[layer], layer, dx, kind, head)))
-        step = _copies_per_pass(net, batch, max_memory)
-        for first in range(0, len(changes), step):
-            out = _patched_outputs(net, batch, changes[first:first + step])
-            if net.causal:
-                losses = _token_losses(out.flatten(0, 1), batch.inputs.input_ids.repeat(len(out), 1))
-                change = ((losses.reshape(len(out), *clean.shape) - clean) * predicted).sum(-1)
-                count = predicted.sum(-1).expand_as(change)
-            else:
-                real = batch.real[:, :, None]
-                change = ((out - batch.output).pow(2) * real).sum((2, 3))
-                count = (batch.output.pow(2) * real).sum((1, 2)).expand_as(change)
-            edges_here = slice(first, first + len(out))
-            num[edges_here, batch.rows] = change.double().cpu().numpy()
-            den[edges_here, batch.rows] = count.double().cpu().numpy()
+        for i in range(len(batch.real)):
+            one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
+            T = one.input_ids.shape[1]
+            step = _copies_per_pass(net, T, max_memory)
+            for first in range(0, len(changes), step):
+                out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
+                                                  for layer, head, dz in changes[first:first + step]])
+                if net.causal:
+                    losses = _token_losses(out, one.input_ids[0]).sum(-1)
+                    change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
+                else:
+                    change = (out[1:] - out[:1]).pow(2).sum((1, 2))
+                    count = out[0].pow(2).sum().expand_as(change)
+                edges_here = order[first:first + len(change)]
+                num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
+                den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
     effect, lo, hi = _bootstrap(num, den, n_boot, seed, root=not net.causal)
     table = edges[KEY_COLUMNS].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
