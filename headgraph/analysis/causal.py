@@ -677,7 +677,8 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
     def patch(z, hook):
         first, heads, dzs = joining[int(hook.name.split(".")[1])]
         z = z.clone()
-        z[torch.arange(first, first + len(heads)), :, torch.tensor(heads)] += torch.stack(dzs).to(z.dtype)
+        rows = torch.arange(first, first + len(heads), device=z.device)
+        z[rows, :, torch.tensor(heads, device=z.device)] += torch.stack(dzs).to(z.dtype)
         return z
 
     def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
@@ -692,8 +693,9 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
 
 
 def _copies_per_pass(net: _Net, length: int, max_memory: int) -> int:
-    """Patched copies of one input of `length` tokens per forward pass so that its widest activations (the
-    logits and their log-softmax, or the MLP's 4 d_model, float32) stay within max_memory bytes."""
+    """Patched copies of one input of `length` tokens per forward pass (besides its clean row) so that its widest
+    activations (the logits and logsumexp's temporary, or the MLP's 4 d_model, float32) stay within max_memory
+    bytes."""
     d = net.bridge.cfg.d_model
     width = net.bridge.cfg.d_vocab * 2 if net.causal else 4 * d
     return max(1, max_memory // (4 * length * (width + 8 * d)) - 1)
