@@ -68,8 +68,8 @@ class CausalOptions:
     """The causal stage's settings (headgraph.analysis.causal), defaults declared once: direct-path effects of
     every OQ/OK/OV pair on `n_inputs` generated inputs per set (or the texts of `inputs_file`, one a line), and
     the downstream (loss) effect of the selected edges when `loss`, on the first `loss_inputs` inputs of each set,
-of at most `loss_edges` per type: it costs a forward pass through the model per edge and input, where a local
-effect costs a fraction of one."""
+    of at most `loss_edges` per type: it costs the model's layers from the receiver's on, per edge and input,
+    where a local effect costs far less."""
 
     n_inputs: int = 24  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
     inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
@@ -79,7 +79,7 @@ effect costs a fraction of one."""
     max_memory: int = 1024**3  # working bytes of one batched patching step
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
-    loss_inputs: int = 8  # the first N inputs of each set: one forward pass per edge and input
+    loss_inputs: int = 8  # the first N inputs of each set: the layers from the receiver's on, per edge and input
 
     def __post_init__(self):
         if self.n_inputs < 2:
