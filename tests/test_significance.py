@@ -9,7 +9,7 @@ from scipy import stats
 from headgraph.analysis.pk import pair_mask, pk_matrix
 from headgraph.analysis.reference import isotropic_log10_p
 from headgraph.analysis.significance import (benjamini_hochberg, null_bases, null_head_sets,
-                                             null_pk_samples, plan_null, upper_p, second_moment)
+                                             null_pk_samples, plan_null, upper_p, second_moment, sigma_root)
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
 
 L, H, D, K = 4, 4, 64, 16
@@ -51,7 +51,7 @@ def test_second_moment_is_the_mean_outer_product_per_column():
 def test_null_heads_live_in_the_support_of_sigma():
     basis = torch.linalg.qr(torch.randn(20, 6, dtype=torch.float64)).Q
     sigma = basis @ torch.diag(torch.tensor([9.0, 5, 4, 3, 2, 1], dtype=torch.float64)) @ basis.T
-    heads = null_bases(sigma, 50, 3, torch.Generator().manual_seed(0))
+    heads = null_bases(sigma_root(sigma), 50, 3, torch.Generator().manual_seed(0))
     assert heads.shape == (50, 20, 3)
     torch.testing.assert_close(basis @ (basis.T @ heads), heads, atol=1e-10, rtol=0)
 

@@ -19,7 +19,7 @@ import torch
 
 from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_bases
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
-from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
+from headgraph.analysis.subspaces import head_matrices, orthonormal_bases, small_lapack
 
 NULL_NAME = "second_moment"
 NULL_DESCRIPTION = ("PK between random subspaces Sigma_T^(1/2) G drawn from each weight type's own second "
@@ -38,15 +38,21 @@ def second_moment(weights: torch.Tensor, weight_type: str) -> torch.Tensor:
     return stacked @ stacked.T / stacked.shape[1]
 
 
-def null_bases(sigma: torch.Tensor, n_heads: int, width: int, generator: torch.Generator) -> torch.Tensor:
-    """Orthonormal bases [n_heads, d, width] of the column space of Sigma^(1/2) G, G Gaussian (V diag(sqrt
-    lambda) G has the same law, the rotation V^T being absorbed by G)."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(sigma)
+def sigma_root(sigma: torch.Tensor) -> torch.Tensor:
+    """R = V diag(sqrt(lambda)) with R R^T = Sigma (eigenvalues below Sigma's rank floor set to 0); the
+    eigendecomposition runs on one CPU thread, several times faster there than on two waking workers."""
+    with small_lapack(sigma.device):
+        eigenvalues, eigenvectors = torch.linalg.eigh(sigma)
     floor = sigma.shape[0] * torch.finfo(sigma.dtype).eps * eigenvalues.abs().max()
-    root = eigenvectors * torch.where(eigenvalues > floor, eigenvalues, 0.0).sqrt()
-    gaussian = torch.randn(n_heads, sigma.shape[0], width, generator=generator, dtype=sigma.dtype)
-    draws = root @ gaussian.to(sigma.device)
-    return orthonormal_bases(draws.unsqueeze(0), "null", sigma.dtype).bases[0]
+    return eigenvectors * torch.where(eigenvalues > floor, eigenvalues, 0.0).sqrt()
+
+
+def null_bases(root: torch.Tensor, n_heads: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """Orthonormal bases [n_heads, d, width] of the column space of Sigma^(1/2) G, G Gaussian, from
+    root = sigma_root(Sigma) (V diag(sqrt lambda) G has the same law, the rotation V^T being absorbed by G)."""
+    gaussian = torch.randn(n_heads, root.shape[0], width, generator=generator, dtype=root.dtype)
+    draws = root @ gaussian.to(root.device)
+    return orthonormal_bases(draws.unsqueeze(0), "null", root.dtype).bases[0]
 
 
 def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: int,
@@ -56,9 +62,9 @@ def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: i
     generator = torch.Generator().manual_seed(seed)
     sets = {}
     for weight_type in sorted(types):
-        sigma = second_moment(weights[weight_type], weight_type)
+        root = sigma_root(second_moment(weights[weight_type], weight_type))
         width = head_matrices(weights[weight_type], weight_type).shape[-1]
-        sets[weight_type] = (null_bases(sigma, n_heads, width, generator), null_bases(sigma, n_heads, width, generator))
+        sets[weight_type] = (null_bases(root, n_heads, width, generator), null_bases(root, n_heads, width, generator))
     return sets
 
 
