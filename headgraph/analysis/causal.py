@@ -35,7 +35,9 @@ LayerNorm modules (checked against the model's own `hook_z` on every batch; mode
 rotary or grouped-query attention, raise UsageError). All senders of one layer × all receivers of one later
 layer are one batched tensor operation, no Python loop over head pairs: cost ≈ pairs × tokens × d_model ×
 d_head per type (pre-LN models with LayerNorm: pairs × tokens × d_head², the senders' Δz projected through
-W_O Γ W, `_FactoredChange`), plus the patched attention rows. `loss_effects` stacks the edges' patched copies of a batch into shared forward passes.
+W_O Γ W, `_FactoredChange`), plus the patched attention rows. `loss_effects` stacks the edges' patched copies
+of one input into shared forward passes, each copy joining at its receiver's layer: cost ≈ edges × tokens × the
+layers from the receiver's on (and, for a decoder, the unembedding).
 
 >>> import tempfile
 >>> from headgraph.analysis.prompts import repeated_token_inputs
