@@ -669,8 +669,9 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
 
     joining = {}  # layer -> (first row, heads, dz [k, T, e]) of the copies that join there
     for g, (layer, head, dz) in enumerate(changes):
-        first, heads, dzs = joining.get(layer, (1 + g, [], []))
-        joining[layer] = (first, heads + [head], dzs + [dz])
+        _, heads, dzs = joining.setdefault(layer, (1 + g, [], []))
+        heads.append(head)
+        dzs.append(dz)
 
     def join(resid, hook):
         k = len(joining[int(hook.name.split(".")[1])][1])
