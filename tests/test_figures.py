@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from _runfolder import build_bases, plant, write_run
+from matplotlib.collections import PathCollection
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from headgraph.analysis.selection import SelectionPolicy, select_edges
@@ -141,6 +142,14 @@ def test_role_heatmaps_box_the_significant_heads(run):
         grid = ax.images[0].get_array()
         row = heads.iloc[5]
         assert grid[row["layer"], row["index"]] == pytest.approx(row[f"{role}_score"])
+        (labels,) = [c for c in ax.collections if isinstance(c, PathCollection)]  # one value label per cell
+        cells = {(h, l) for l, h in np.ndindex(grid.shape)}
+        assert {tuple(xy) for xy in labels.get_offsets().tolist()} == cells and len(labels.get_paths()) == len(cells)
+        top = labels.get_offsets().tolist().index([heads.loc[heads[f"{role}_score"].idxmax(), "index"],
+                                                   heads.loc[heads[f"{role}_score"].idxmax(), "layer"]])
+        low, high = ax.images[0].get_clim()  # dark text on light cells: viridis is light at the top, Greens dark
+        light_cell = (heads[f"{role}_score"].max() - low > 0.6 * (high - low)) != (role == "identity")
+        assert tuple(labels.get_facecolors()[top]) == mcolors.to_rgba("black" if light_cell else "white")
     assert figures.role_heatmaps(heads[["head", "layer", "index"]], "m") is None
 
 

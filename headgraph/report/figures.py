@@ -16,8 +16,13 @@ if "ipykernel" not in sys.modules:  # a Jupyter kernel keeps its own (inline) ba
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.collections import PathCollection  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
+from matplotlib.path import Path as GlyphPath  # noqa: E402
+from matplotlib.textpath import TextPath  # noqa: E402
+from matplotlib.transforms import Affine2D  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from headgraph.analysis.artifacts import role_names  # noqa: E402
@@ -344,6 +349,23 @@ def _layer_head_grid(heads, column):
     return grid
 
 
+def cell_labels(ax, xy, texts, colors, fontsize):
+    """Short labels (`texts`, centred on the data points `xy`, `fontsize` points tall, in `colors`) drawn as one
+    PathCollection of their glyph outlines instead of one Text artist each: a role figure's hundreds of cell
+    values then cost one draw call per panel, not a text layout per value, and look the same (matplotlib
+    writes SVG text as paths by default too). Returns the collection; its offsets are `xy`."""
+    prop = FontProperties(size=fontsize)
+    paths = []
+    for text in texts:
+        glyphs = TextPath((0, 0), text, prop=prop)
+        low, high = glyphs.vertices.min(0), glyphs.vertices.max(0)
+        paths.append(GlyphPath(glyphs.vertices - (low + high) / 2, glyphs.codes))
+    labels = PathCollection(paths, offsets=xy, offset_transform=ax.transData, facecolors=colors,
+                            edgecolors="none", transform=Affine2D().scale(1 / 72) + ax.figure.dpi_scale_trans)
+    ax.add_collection(labels, autolim=False)
+    return labels
+
+
 def role_heatmaps(heads, model, tau=3.0):
     """Layer × head heatmap per role score column (significant heads boxed); None if no role columns.
 
@@ -376,9 +398,9 @@ def role_heatmaps(heads, model, tau=3.0):
         if annotate:
             low, high = im.get_clim()
             light = ("white", "black") if role == "identity" else ("black", "white")  # (high, low) text colour
-            for (layer, head), value in np.ndenumerate(grid):
-                ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=5.5,
-                        color=light[0] if (value - low) > 0.6 * (high - low) else light[1])
+            cells = [(head, layer, value) for (layer, head), value in np.ndenumerate(grid)]
+            cell_labels(ax, [(head, layer) for head, layer, _ in cells], [f"{value:.2f}" for *_, value in cells],
+                        [light[0] if (value - low) > 0.6 * (high - low) else light[1] for *_, value in cells], 5.5)
         ax.set_xticks(range(n_heads))
         ax.set_yticks(range(n_layers))
         ax.tick_params(labelsize=7)
