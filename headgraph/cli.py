@@ -1,5 +1,6 @@
 """The `headgraph` command line: one click group, each command a thin layer over the library."""
 
+import atexit
 import functools
 import os
 import sys
@@ -554,28 +555,50 @@ def apply_process_environment() -> None:
         os.environ.setdefault(name, value)
 
 
-def main(argv=None):
-    """Console entry point: user-facing errors become one line on stderr and a non-zero exit code."""
-    apply_process_environment()
-    args = sys.argv[1:] if argv is None else list(argv)
+def _exit_code(args: list[str]) -> int:
+    """Run the command line `args`; user-facing errors become one line on stderr and their exit code."""
     try:
         cli.main(args=args, prog_name="headgraph", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
-        sys.exit(130)
+        return 130
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
+        return e.exit_code
     except HeadgraphError as e:
         if "--debug" in args:
             raise
         click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
+        return e.exit_code
     except Exception as e:  # noqa: BLE001 - last line of defence for the CLI
         if "--debug" in args:
             raise
         click.echo(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", err=True)
-        sys.exit(1)
+        return 1
+    return 0
+
+
+def _end_process(code: int) -> None:
+    """End the process with `code` once the atexit handlers have run (temporary folders, logging, Ray) and the
+    output is flushed, skipping the interpreter's own teardown: with torch, transformers and TransformerLens
+    loaded, its last garbage collection over half a million objects and torch's operator deregistration took
+    about 2 s of every `headgraph` command on a 2-core machine, and nothing in it outlives the process (every
+    store and file is closed by the command itself)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv=None):
+    """Console entry point (argv None: the process's own arguments, and the process ends here); called with
+    argv, as tests do, a failure raises SystemExit with its exit code."""
+    apply_process_environment()
+    code = _exit_code(sys.argv[1:] if argv is None else list(argv))
+    if argv is None:
+        _end_process(code)
+    if code:
+        sys.exit(code)
 
 
 @cli.command()
