@@ -1,6 +1,7 @@
 """Figures: files are valid PNG/SVG and each figure encodes exactly the data it claims to."""
 
 import json
+import unicodedata
 import xml.etree.ElementTree as ET
 
 import matplotlib.colors as mcolors
@@ -117,6 +118,23 @@ def test_pk_distributions_marks_the_reference_mean_and_kl(run):
         vlines = [line.get_xdata()[0] for line in ax.lines if len(set(line.get_xdata())) == 1]
         assert pytest.approx(D_HEAD * D_HEAD / D_MODEL) in vlines
     assert "synthetic" in fig._suptitle.get_text() and "Haar" in fig._suptitle.get_text()
+
+
+def test_a_spread_out_pk_histogram_gets_a_log_axis_labelled_in_plain_decades(run):
+    pairs = run["pairs"].copy()
+    oq = (pairs["source_type"] + pairs["target_type"]) == "OQ"
+    pairs.loc[oq, "pk"] = np.linspace(0, D_HEAD, int(oq.sum()))  # flat, far below the reference's narrow peak
+    fig = figures.pk_distributions(pairs, run["reference"], run["kl"], "synthetic")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    low, high = ax.get_ylim()
+    shown = [(tick, label.get_text()) for tick, label in zip(ax.get_yticks(), ax.get_yticklabels())
+             if low <= tick <= high]
+    assert len(shown) >= 2
+    for tick, text in shown:  # 10⁻³ -> (NFKC) 10−3 -> 10^-3
+        written = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
+        assert written.startswith("10") and 10.0 ** int(written[2:]) == pytest.approx(tick)
 
 
 def test_pk_vs_cs_draws_the_top_three_percent_cutoffs(run):

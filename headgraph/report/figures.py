@@ -5,6 +5,7 @@ types (weight pairs such as "OK") and `CLASS_COLORS` for known head classes and 
 Browser style uses the same values.
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
 from matplotlib.path import Path as GlyphPath  # noqa: E402
 from matplotlib.textpath import TextPath  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 from matplotlib.transforms import Affine2D  # noqa: E402
 from scipy import stats  # noqa: E402
 
@@ -80,6 +82,17 @@ def save_figure(fig, out_dir, stem):
     fig.savefig(paths["svg"], bbox_inches="tight")
     plt.close(fig)
     return paths
+
+
+_SUPERSCRIPTS = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _log_axis(axis):
+    """Label a log axis' decades as plain-text 10ⁿ and leave its minor ticks bare: matplotlib's default labels
+    are mathtext, whose first parses took 0.7 s of the 1.8 s a PK-distribution figure took to draw and save."""
+    decade = FuncFormatter(lambda value, _: f"10{str(round(math.log10(value))).translate(_SUPERSCRIPTS)}")
+    axis.set_major_formatter(decade)
+    axis.set_minor_formatter(NullFormatter())
 
 
 def reference_distribution(mean, var, upper):
@@ -147,6 +160,7 @@ def pk_distributions(pairs, reference, kl, model):
                    label=f"observed mean = {values.mean():.3g}")
         if density.any() and (density.max() > 5 * max(heights.max(), 1e-12) or heights.max() > 5 * density.max()):
             ax.set_yscale("log")
+            _log_axis(ax.yaxis)
             ax.set_ylim(bottom=max(min(heights[heights > 0].min(), density.max()) / 10, 1e-4),
                         top=5 * max(heights.max(), density.max()))
             ax.set_ylabel("density (1/PK, log scale)")
