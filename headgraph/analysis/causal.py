@@ -35,7 +35,7 @@ LayerNorm modules (checked against the model's own `hook_z` on every batch; mode
 rotary or grouped-query attention, raise UsageError). All senders of one layer × all receivers of one later
 layer are one batched tensor operation, no Python loop over head pairs: cost ≈ pairs × tokens × d_model ×
 d_head per type (pre-LN models with LayerNorm: pairs × tokens × d_head², the senders' Δz projected through
-W_O Γ W, `_FactoredChange`), plus the patched attention rows. `loss_effects` stacks the edges' patched copies
+c(W_O) Γ W, `_FactoredChange`), plus the patched attention rows. `loss_effects` stacks the edges' patched copies
 of one input into shared forward passes, each copy joining at its receiver's layer: cost ≈ edges × tokens × the
 layers from the receiver's on (and, for a decoder, the unembedding).
 
@@ -405,19 +405,20 @@ def _project(net: _Net, layer: int, dx: torch.Tensor, kind: str, heads: slice) -
 
 
 class _FactoredWeights:
-    """What `_FactoredChange` needs of the weights, the same for every batch: Γ W and 1ᵀ Γ W per (receiver
-    layer, kind), with Γ = diag(γ) of the receiver's ln1, and W_O[s] Γ W [S, e, H, e] per (sender layer, sender heads,
-    receiver layer, kind), kept while they fit `budget` bytes and computed again per batch beyond that."""
+    """What `_FactoredChange` needs of the weights, the same for every batch: Γ W per (receiver layer, kind),
+    with Γ = diag(γ) of the receiver's ln1, and c(W_O[s]) Γ W [S, e, H, e] per (sender layer, sender heads,
+    receiver layer, kind), c(W_O) = W_O with each row centred, kept while they fit `budget` bytes and computed
+    again per batch beyond that."""
 
     def __init__(self, net: _Net, kinds: Sequence[str], budget: int):
-        self.w_o, self.budget, self.eps, self.scaled, self.column_sums, self.kept = (net.weights["W_O"], budget,
-                                                                                  {}, {}, {}, {})
+        w_o = net.weights["W_O"]
+        self.w_o = w_o - w_o.mean(-1, keepdim=True)  # c(W_O)
+        self.budget, self.eps, self.scaled, self.kept = budget, {}, {}, {}
         for layer in range(1, net.n_layers):
             gamma, self.eps[layer] = net.layer_norm(layer, 1)
             for kind in kinds:
                 w = net.weights[f"W_{kind}"][layer]  # [H, d, e]
-                scaled = w if gamma is None else gamma.detach().to(w)[None, :, None] * w
-                self.scaled[layer, kind], self.column_sums[layer, kind] = scaled, scaled.sum(1)  # Γ W, 1ᵀ Γ W
+                self.scaled[layer, kind] = w if gamma is None else gamma.detach().to(w)[None, :, None] * w  # Γ W
 
     def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
         key = (sender_layer, heads.start, layer, kind)
@@ -432,10 +433,11 @@ class _FactoredWeights:
 
 class _FactoredChange:
     """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
-    [b, T, S, e] instead of Δ [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its weight,
-    LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz (W_O Γ W) − mean(Δ) (1ᵀ Γ W).
-    The d × d projection per sender becomes an e × (H e) one (d/e times fewer FLOPs); the result equals
-    `_project` of `_input_change` up to rounding (tested against it and against hooked runs).
+    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its weight,
+    LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz c(W_O) Γ W. So the change is one
+    product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the clean term: the d × d projection per
+    sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass over the result corrects it afterwards.
+    The result equals `_project` of `_input_change` up to rounding (tested against it and against hooked runs).
 
     `clean` caches the batch's sender-independent terms, c(x) and var(x) per receiver layer and c(x) Γ W per
     (layer, kind); one dict per batch, shared by its sender chunks."""
@@ -445,12 +447,11 @@ class _FactoredChange:
         self.weights, self.batch, self.sender_layer, self.heads, self.clean = weights, batch, sender_layer, heads, clean
         self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
         self.delta = delta
-        self.delta_mean = delta.mean(-1)  # [S, b, T]
-        self.delta_var = delta.pow(2).mean(-1) - self.delta_mean.pow(2)
+        self.delta_var = delta.var(-1, correction=0)  # [S, b, T]
         self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """1/σ' and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
+        """Δz/σ' [b, T, S, e] and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
         if layer not in self.clean:
             x = self.batch.resid[layer]
             centred = x - x.mean(-1, keepdim=True)
@@ -460,19 +461,16 @@ class _FactoredChange:
             eps = self.weights.eps[layer]
             var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / centred.shape[-1] + self.delta_var
             inv_new = (var_new + eps).clamp(min=eps).rsqrt()
-            self.scales[layer] = (inv_new, inv_new - (var + eps).rsqrt())
+            self.scales[layer] = (self.dz * inv_new.permute(1, 2, 0)[..., None], inv_new - (var + eps).rsqrt())
         return self.scales[layer]
 
     def project(self, layer: int, kind: str) -> torch.Tensor:
-        inv_new, inv_change = self._scales(layer)
-        scaled = self.weights.scaled[layer, kind]
-        if (layer, kind) not in self.clean:
-            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.clean[layer][0], scaled)  # γ·c(x) W
-        change = torch.einsum("btse,sehf->sbthf", self.dz, self.weights.mixed(self.sender_layer, self.heads, layer,
-                                                                              kind))
-        # Δz W_O Γ W − mean(Δ) 1ᵀ Γ W = γ·c(Δ) W, then over σ', plus (1/σ' − 1/σ) γ·c(x) W; in place
-        change.sub_(self.delta_mean[..., None, None] * self.weights.column_sums[layer, kind])
-        change.mul_(inv_new[..., None, None])
+        dz_over_sigma, inv_change = self._scales(layer)
+        if (layer, kind) not in self.clean:  # γ·c(x) W
+            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.clean[layer][0],
+                                                   self.weights.scaled[layer, kind])
+        mixed = self.weights.mixed(self.sender_layer, self.heads, layer, kind)
+        change = torch.einsum("btse,sehf->sbthf", dz_over_sigma, mixed)  # γ·c(Δ) W / σ'
         return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
 
 
@@ -564,7 +562,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
     (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
     NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes together
-    with the W_O Γ W products a pre-LN model's steps share across batches (at most a quarter of it).
+    with the c(W_O) Γ W products a pre-LN model's steps share across batches (at most a quarter of it).
     """
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
@@ -588,7 +586,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     advance = _progress(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
     factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
-    kept = max_memory // 4 if factor else 0  # a quarter of the budget for the kept W_O Γ W, the rest per step
+    kept = max_memory // 4 if factor else 0  # a quarter of the budget for the kept c(W_O) Γ W, the rest per step
     weights = _FactoredWeights(net, kinds, kept) if factor else None
     for batch in _batches(net, sets, alternatives, batch_size, advance):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
