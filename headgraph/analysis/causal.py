@@ -477,11 +477,11 @@ class _FactoredChange:
 def _patched_pattern(net: _Net, recv: _Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
     """Attention [S, b, h, T, T] of the receiver heads `heads` when only their queries (kind Q) or keys (K)
     change by d [S, b, T, h, e] (the changed input, projected)."""
-    if kind == "Q":
-        change = torch.einsum("sbqhe,bkhe->sbhqk", d, recv.k[:, :, heads])
+    if kind == "Q":  # the score scale on the small clean side, the clean scores added in place
+        change = torch.einsum("sbqhe,bkhe->sbhqk", d, recv.k[:, :, heads] * net.scale)
     else:
-        change = torch.einsum("bqhe,sbkhe->sbhqk", recv.q[:, :, heads], d)
-    return torch.softmax(recv.scores[:, heads] + change * net.scale, -1)
+        change = torch.einsum("bqhe,sbkhe->sbhqk", recv.q[:, :, heads] * net.scale, d)
+    return torch.softmax(change.add_(recv.scores[:, heads]), -1)
 
 
 def _value_change(recv: _Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
@@ -501,7 +501,7 @@ def _local_sums(net: _Net, batch: _Batch, recv: _Layer, layer: int, d: torch.Ten
     if kind == "V":
         change = _squared_outputs(net, layer, _value_change(recv, d, slice(None)))
         return (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
-    tv = 0.5 * (_patched_pattern(net, recv, d, kind, slice(None)) - recv.pattern).abs().sum(-1)
+    tv = _patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern).abs_().sum(-1).mul_(0.5)
     return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
 
 
