@@ -216,8 +216,9 @@ class _Net:
     causal: bool
     post_ln: bool
     scale: float
-    weights: dict[str, torch.Tensor]  # W_Q/W_K/W_V [L, H, d, e], b_Q/b_K/b_V [L, H, e], W_O [L, H, e, d]
-    gram: torch.Tensor  # W_O W_O^T [L, H, e, e]: ||z W_O||^2 = z G z^T
+    weights: dict[str, torch.Tensor]  # W_Q/W_K/W_V [L, H, d, e], b_Q/b_K/b_V [L, H, e], W_O [L, H, e, d]; and
+    # W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm (`_local_weight`)
+    out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
 
     def native_norm(self, layer: int, which: int) -> torch.nn.LayerNorm | None:
         """The torch LayerNorm ln{which} of `layer` wraps where the bridge runs it as it is (observed without
@@ -257,10 +258,11 @@ def _network(model, probe: TokenInputs) -> _Net:
         raise _unsupported(bridge, f"grouped-query attention ({cfg.n_key_value_heads} key/value heads for "
                                    f"{cfg.n_heads} query heads)")
     weights = {n: getattr(bridge, n).detach().float() for n in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")}
-    w_o = weights["W_O"]
+    root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
+    weights["W_V_out"] = weights["W_V"] @ root
     return _Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads),
                 causal=cfg.attention_dir == "causal", post_ln=_is_post_ln(bridge, probe),
-                scale=1.0 / math.sqrt(cfg.d_head), weights=weights, gram=w_o @ w_o.transpose(-1, -2))
+                scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
 
 
 # ---------- clean and corrupted activations of one batch ----------------------------------------------------
@@ -399,16 +401,22 @@ def _input_change(net: _Net, batch: _Batch, recv: _Layer, layer: int, delta: tor
     return net.norm(layer, 1, batch.resid[layer] + delta) - recv.x
 
 
-def _project(net: _Net, layer: int, dx: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
-    """dx [S, b, T, d] read by the `kind` (Q, K or V) weights of the receiver heads `heads`: [S, b, T, h, e]."""
-    return torch.einsum("sbtd,hde->sbthe", dx, net.weights[f"W_{kind}"][layer, heads])
+def _project(dx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dx [S, b, T, d] read by the receiver heads' weights [h, d, e]: [S, b, T, h, e]."""
+    return torch.einsum("sbtd,hde->sbthe", dx, weight)
+
+
+def _local_weight(net: _Net, layer: int, kind: str) -> torch.Tensor:
+    """What the local effect projects a changed input through, [H, d, e]: W_Q or W_K, and W_V R for values,
+    so that a head's changed z comes out as Δz R, whose squared norm is its output change's ||Δz W_O||²."""
+    return net.weights["W_V_out" if kind == "V" else f"W_{kind}"][layer]
 
 
 class _FactoredWeights:
     """What `_FactoredChange` needs of the weights, the same for every batch: Γ W per (receiver layer, kind),
-    with Γ = diag(γ) of the receiver's ln1, and c(W_O[s]) Γ W [S, e, H, e] per (sender layer, sender heads,
-    receiver layer, kind), c(W_O) = W_O with each row centred, kept while they fit `budget` bytes and computed
-    again per batch beyond that."""
+    with Γ = diag(γ) of the receiver's ln1 and W the `_local_weight`, and c(W_O[s]) Γ W [S, e, H, e] per (sender
+    layer, sender heads, receiver layer, kind), c(W_O) = W_O with each row centred, kept while they fit `budget`
+    bytes and computed again per batch beyond that."""
 
     def __init__(self, net: _Net, kinds: Sequence[str], budget: int):
         w_o = net.weights["W_O"]
@@ -417,7 +425,7 @@ class _FactoredWeights:
         for layer in range(1, net.n_layers):
             gamma, self.eps[layer] = net.layer_norm(layer, 1)
             for kind in kinds:
-                w = net.weights[f"W_{kind}"][layer]  # [H, d, e]
+                w = _local_weight(net, layer, kind)  # [H, d, e]
                 self.scaled[layer, kind] = w if gamma is None else gamma.detach().to(w)[None, :, None] * w  # Γ W
 
     def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
@@ -433,10 +441,10 @@ class _FactoredWeights:
 
 class _FactoredChange:
     """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
-    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its weight,
-    LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz c(W_O) Γ W. So the change is one
-    product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the clean term: the d × d projection per
-    sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass over the result corrects it afterwards.
+    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its
+    weight, LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz c(W_O) Γ W. So the change
+    is one product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the clean term: the d × d projection
+    per sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass over the result corrects it after.
     The result equals `_project` of `_input_change` up to rounding (tested against it and against hooked runs).
 
     `clean` caches the batch's sender-independent terms, c(x) and var(x) per receiver layer and c(x) Γ W per
@@ -491,15 +499,15 @@ def _value_change(recv: _Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
 
 
 def _squared_outputs(net: _Net, layer: int, z: torch.Tensor) -> torch.Tensor:
-    """||z_h W_O[h]||^2 [..., T, H] for z [..., T, H, e] of every head of a layer."""
-    return (torch.einsum("...he,hef->...hf", z, net.gram[layer]) * z).sum(-1).clamp(min=0)
+    """||z_h W_O[h]||^2 = ||z_h R[h]||^2 [..., T, H] for z [..., T, H, e] of every head of a layer."""
+    return torch.einsum("...he,hef->...hf", z, net.out_root[layer]).pow(2).sum(-1)
 
 
 def _local_sums(net: _Net, batch: _Batch, recv: _Layer, layer: int, d: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-input numerator [S, H, b] of the local effect of the senders behind d (their projected input change
-    [S, b, T, H, e] of kind `kind`) on every receiver head."""
-    if kind == "V":
-        change = _squared_outputs(net, layer, _value_change(recv, d, slice(None)))
+    """Per-input numerator [S, H, b] of the local effect of the senders behind d (their input change projected
+    through `_local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head."""
+    if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
+        change = _value_change(recv, d, slice(None)).pow_(2).sum(-1)
         return (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
     tv = _patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern).abs_().sum(-1).mul_(0.5)
     return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
@@ -606,7 +614,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                     rows = index[sender_layer, heads, layer]
                     for kind in kinds:
                         d = (factored.project(layer, kind) if factored is not None
-                             else _project(net, layer, dx, kind, slice(None)))
+                             else _project(dx, _local_weight(net, layer, kind)))
                         num[kind][rows, batch.rows] = _local_sums(net, batch, receivers[layer], layer, d, kind).cpu()
     src_layer, src_head, tgt_layer, tgt_head = pairs
     names = {"source": [head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())],
@@ -649,7 +657,7 @@ def _parse_edges(edges: pd.DataFrame, net: _Net) -> list[tuple[int, int, int, in
 def _head_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: str, head: int) -> torch.Tensor:
     """Change of one receiver head's z [b, T, e] when only its `kind` input reads the changed input dx [1, b, T, d]."""
     heads = slice(head, head + 1)
-    d = _project(net, layer, dx, kind, heads)
+    d = _project(dx, net.weights[f"W_{kind}"][layer, heads])
     if kind == "V":
         return _value_change(recv, d, heads)[0, :, :, 0]
     new = _patched_pattern(net, recv, d, kind, heads)[0, :, 0]
