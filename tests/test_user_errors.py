@@ -4,11 +4,15 @@ analysed end to end. Real model folders, a real LadybugDB file and the session's
 mid-load is the real server behind a TCP forwarder that the test cuts."""
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from _cli import run_cli
 from _commands import headgraph
 from _pairs import HUB, planted_pairs, run_graph
 
+from headgraph import __version__
+from headgraph import queries as query_files
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
@@ -39,6 +45,29 @@ def neo4j_env(neo4j_config, monkeypatch):
     monkeypatch.setenv("NEO4J_USER", neo4j_config["user"])
     monkeypatch.setenv("NEO4J_PASSWORD", neo4j_config["password"])
     return neo4j_config["uri"]
+
+
+# --- the console entry point: a real process, ended by os._exit after its atexit handlers -------------------
+
+ENTRY = ("import atexit, pathlib, sys; from headgraph.cli import main; "
+         "atexit.register(pathlib.Path(sys.argv.pop(1)).write_text, 'ran'); main()")
+QUERIES = sorted(p.stem for p in Path(query_files.__file__).parent.glob("*.cypher"))
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["query", "--list"], 0), (["analyze", "--bogus"], 2)])
+def test_the_console_entry_point_exits_with_the_code_its_output_whole_and_its_atexit_handlers_run(argv, code,
+                                                                                                  tmp_path):
+    marker = tmp_path / "atexit"
+    done = subprocess.run([sys.executable, "-c", ENTRY, str(marker), *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == code, done.stderr
+    assert marker.read_text() == "ran"
+    if argv == ["--version"]:
+        assert done.stdout == f"headgraph, version {__version__}\n"
+    elif code == 0:  # a 17 kB table, whole
+        assert all(name in done.stdout for name in QUERIES) and done.stdout.endswith("\n")
+    else:
+        assert "No such option '--bogus'" in done.stderr
 
 
 # --- models -------------------------------------------------------------------------------------------------
