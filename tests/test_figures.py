@@ -163,8 +163,8 @@ def test_role_heatmaps_box_the_significant_heads(run):
         (labels,) = [c for c in ax.collections if isinstance(c, PathCollection)]  # one value label per cell
         cells = {(h, l) for l, h in np.ndindex(grid.shape)}
         assert {tuple(xy) for xy in labels.get_offsets().tolist()} == cells and len(labels.get_paths()) == len(cells)
-        top = labels.get_offsets().tolist().index([heads.loc[heads[f"{role}_score"].idxmax(), "index"],
-                                                   heads.loc[heads[f"{role}_score"].idxmax(), "layer"]])
+        strongest = heads.loc[heads[f"{role}_score"].idxmax()]
+        top = labels.get_offsets().tolist().index([strongest["index"], strongest["layer"]])
         low, high = ax.images[0].get_clim()  # dark text on light cells: viridis is light at the top, Greens dark
         light_cell = (heads[f"{role}_score"].max() - low > 0.6 * (high - low)) != (role == "identity")
         assert tuple(labels.get_facecolors()[top]) == mcolors.to_rgba("black" if light_cell else "white")

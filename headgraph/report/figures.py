@@ -369,13 +369,14 @@ def cell_labels(ax, xy, texts, colors, fontsize):
     values then cost one draw call per panel, not a text layout per value, and look the same (matplotlib
     writes SVG text as paths by default too). Returns the collection; its offsets are `xy`."""
     prop = FontProperties(size=fontsize)
-    paths = []
-    for text in texts:
+    outlines = {}
+    for text in dict.fromkeys(texts):  # each distinct label laid out once
         glyphs = TextPath((0, 0), text, prop=prop)
         low, high = glyphs.vertices.min(0), glyphs.vertices.max(0)
-        paths.append(GlyphPath(glyphs.vertices - (low + high) / 2, glyphs.codes))
-    labels = PathCollection(paths, offsets=xy, offset_transform=ax.transData, facecolors=colors,
-                            edgecolors="none", transform=Affine2D().scale(1 / 72) + ax.figure.dpi_scale_trans)
+        outlines[text] = GlyphPath(glyphs.vertices - (low + high) / 2, glyphs.codes)
+    labels = PathCollection([outlines[text] for text in texts], offsets=xy, offset_transform=ax.transData,
+                            facecolors=colors, edgecolors="none",
+                            transform=Affine2D().scale(1 / 72) + ax.figure.dpi_scale_trans)
     ax.add_collection(labels, autolim=False)
     return labels
 
@@ -412,9 +413,10 @@ def role_heatmaps(heads, model, tau=3.0):
         if annotate:
             low, high = im.get_clim()
             light = ("white", "black") if role == "identity" else ("black", "white")  # (high, low) text colour
-            cells = [(head, layer, value) for (layer, head), value in np.ndenumerate(grid)]
-            cell_labels(ax, [(head, layer) for head, layer, _ in cells], [f"{value:.2f}" for *_, value in cells],
-                        [light[0] if (value - low) > 0.6 * (high - low) else light[1] for *_, value in cells], 5.5)
+            layer, head = np.indices(grid.shape).reshape(2, -1)
+            values = grid.ravel()
+            cell_labels(ax, np.column_stack([head, layer]), [f"{value:.2f}" for value in values],
+                        np.where(values - low > 0.6 * (high - low), *light), 5.5)
         ax.set_xticks(range(n_heads))
         ax.set_yticks(range(n_layers))
         ax.tick_params(labelsize=7)
