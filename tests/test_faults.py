@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -147,15 +148,27 @@ def while_figures_are_drawn(fig, out_dir, stem):
         os.killpg(leader, signal.SIGINT)
     return save(fig, out_dir, stem)
 
+def as_a_figure_worker_forks(*args, **kwargs):
+    sent = []
+
+    def ctrl_c():  # in fork(), before the process splits: Python runs it as an at-fork handler
+        if not sent:
+            sent.append(os.kill(leader, signal.SIGINT))
+
+    os.register_at_fork(before=ctrl_c)
+    return render(*args, **kwargs)
+
 if when == "report":
     report.render_report = before_the_report
+elif when == "fork":
+    report.render_report = as_a_figure_worker_forks
 else:
     figures.save_figure = while_figures_are_drawn
 main(sys.argv[2:])
 """
 
 
-@pytest.mark.parametrize("when", ["report", "figures"])
+@pytest.mark.parametrize("when", ["report", "fork", "figures"])
 def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, synthetic_dir, when):
     from _pairs import planted_pairs, run_graph
 
@@ -177,6 +190,47 @@ def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, 
         os.killpg(process.pid, 0)
     assert [run["id"] for run in json.loads(read("runs", "--format", "json", "--db", str(path), env=env)[1])] == [
         "earlier"]
+
+
+KILLED_WHILE_FIGURES_ARE_DRAWN = r"""
+import os, signal, sys, time
+
+from headgraph.cli import main
+from headgraph.report import figures
+
+leader, draw = os.getpid(), figures.kl_heatmap
+
+def drawn_past_the_kill(*args, **kwargs):
+    os.kill(leader, signal.SIGKILL)  # in a figure worker
+    time.sleep(300)
+    return draw(*args, **kwargs)
+
+figures.kl_heatmap = drawn_past_the_kill
+main(sys.argv[1:])
+"""
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_kill_9_while_figures_are_drawn_leaves_no_figure_worker(tmp_path, synthetic_dir):
+    process = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_FIGURES_ARE_DRAWN, "analyze", str(synthetic_dir),
+                                "--no-roles", "--no-causal", "--null-heads", "2", "--reference-samples", "100",
+                                "--out", str(tmp_path / "run"), "--no-store"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "NEO4J_URI": ""}, start_new_session=True)
+    # the workers hold the pipes open: the output ends before the timeout only if they died with the command
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGKILL, stderr
+    deadline = time.monotonic() + 30  # a worker killed with its parent is gone once init has reaped it
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(process.pid), "a figure worker outlived its killed command"
 
 
 @pytest.mark.neo4j

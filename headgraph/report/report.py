@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -333,6 +334,38 @@ def _figure_workers(n_figures: int) -> int:
     return max(1, min(n_figures, os.cpu_count() or 1, 4))
 
 
+def _start_figure_worker() -> None:
+    """A figure worker ignores Ctrl-C, which reaches the whole process group (the parent aborts and terminates
+    its workers), and asks Linux to SIGKILL it when the parent dies (prctl PR_SET_PDEATHSIG), so that none
+    outlives a killed `headgraph` process."""
+    import ctypes
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Hold Ctrl-C (SIGINT) back while the enclosed code runs, then deliver it: one that lands in fork() would
+    surface in an at-fork handler, where Python prints and drops it, and the command would go on as if never
+    interrupted. Only the main thread handles signals; elsewhere nothing is held."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or handler is None:
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            signal.raise_signal(signal.SIGINT)
+
+
 @contextlib.contextmanager
 def drawing_figures(builders, out_dir, advance=lambda: None):
     """Draw the figures of `builders` (figure_builders) that the run's data allows while the enclosed code runs;
@@ -357,9 +390,9 @@ def drawing_figures(builders, out_dir, advance=lambda: None):
         if workers == 1:
             yield lambda: collect(map(_draw, order))
             return
-        # Ctrl-C reaches the whole process group: the parent aborts and terminates its workers
-        with multiprocessing.get_context("fork").Pool(workers, initializer=signal.signal,
-                                                      initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        with contextlib.ExitStack() as stack:
+            with _ctrl_c_held():  # while the workers fork
+                pool = stack.enter_context(multiprocessing.get_context("fork").Pool(workers, _start_figure_worker))
             results = pool.imap_unordered(_draw, order)
             yield lambda: collect(results)
     finally:
