@@ -238,3 +238,23 @@ def test_cuda_request_without_cuda_is_a_usage_error(synthetic_dir):
         pytest.skip("CUDA is present here")
     with pytest.raises(UsageError, match="no CUDA"):
         load_model(synthetic_dir, device="cuda")
+
+
+def test_gpt2_through_the_fused_gelu_computes_what_transformers_gelu_new_computes():
+    from transformers import AutoModelForCausalLM
+
+    from headgraph.analysis.prompts import repeated_token_inputs
+    from headgraph.loader.models import PACKAGED_MODELS_DIR
+
+    folder = PACKAGED_MODELS_DIR / "induction-2l"  # trained: its MLPs are not near-silent as at random init
+    model = load_model(folder, processing="raw", device="cpu")
+    kinds = {type(m).__name__ for m in model.bridge.original_model.modules()}
+    assert "GELUTanh" in kinds and "NewGELUActivation" not in kinds
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert "NewGELUActivation" in {type(m).__name__ for m in hf.modules()}  # the reference runs the unfused one
+    ids = repeated_token_inputs(model.tokenizer, 8, 0, 20, model.bridge.cfg.d_vocab).input_ids
+    with torch.no_grad():
+        logits = model.bridge(ids, return_type="logits")
+        expected = hf(ids).logits
+    assert expected.abs().max() > 1  # a real output, which the tolerance below is small against
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
