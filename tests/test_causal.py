@@ -233,6 +233,15 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
     np.testing.assert_allclose(factored.effect, recomputed.effect, rtol=1e-4, atol=1e-7)
 
 
+def test_local_effects_do_not_depend_on_the_memory_they_are_given():
+    model = load_model("induction-2l", device="cpu")
+    inputs = repeated_token_inputs(model.tokenizer, 12, seed=3, length=10)
+    roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)  # every c(W_O) Γ W kept, all senders a step
+    starved = C.local_effects(model, inputs, n_boot=50, batch_size=4, max_memory=1)  # none kept, one sender a step
+    assert roomy.effect.max() > 0.3
+    np.testing.assert_allclose(starved.effect, roomy.effect, rtol=1e-5, atol=1e-8)
+
+
 @pytest.mark.parametrize("processing, ablation", [("raw", "resample"), ("tl", "mean")])
 def test_batched_effects_equal_one_pair_at_a_time_through_hooks(planted, processing, ablation):
     """Pairs of every layer pair and type of a 3-layer model (padded IOI prompts, batches of 3) against

@@ -513,12 +513,23 @@ def _local_sums(net: _Net, batch: _Batch, recv: _Layer, layer: int, d: torch.Ten
     return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
 
 
-def _sender_chunk(net: _Net, batch: _Batch, max_memory: int) -> int:
-    """Senders per batched step so that its working tensors (float32: the sender writes, the patched input and
-    its change, one projection, patched scores, rows and their difference) stay within max_memory bytes."""
-    b, T, d = batch.resid[0].shape
-    per_sender = 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
-    return max(1, min(net.n_heads, max_memory // per_sender))
+def _sender_bytes(net: _Net, b: int, T: int) -> int:
+    """Working bytes of one sender in a batched step over b inputs of length T (float32: the sender writes, the
+    patched input and its change, one projection, patched scores, rows and their difference)."""
+    return 4 * b * (5 * T * net.weights["W_O"].shape[-1] + 3 * net.n_heads * T * T)
+
+
+def _sender_chunk(net: _Net, b: int, T: int, max_memory: int) -> int:
+    """Senders per batched step over b inputs of length T so that its working tensors stay within max_memory."""
+    return max(1, min(net.n_heads, max_memory // _sender_bytes(net, b, T)))
+
+
+def _kept_budget(net: _Net, sets, batch_size: int, max_memory: int) -> int:
+    """What max_memory leaves for the kept c(W_O) Γ W once the widest batch's step has its working bytes (a
+    set's batches are at most batch_size inputs of its padded length), so that both together stay within it."""
+    widest = max(((min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets),
+                 key=lambda size: _sender_bytes(net, *size))
+    return max(0, max_memory - _sender_chunk(net, *widest, max_memory) * _sender_bytes(net, *widest))
 
 
 # ---------- bootstrap ---------------------------------------------------------------------------------------
@@ -570,7 +581,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
     (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
     NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes together
-    with the c(W_O) Γ W products a pre-LN model's steps share across batches (at most a quarter of it).
+    with the c(W_O) Γ W products a pre-LN model's steps share across batches (kept in what the widest step
+    leaves of it, computed again per batch beyond that).
     """
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
@@ -594,14 +606,14 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     advance = _progress(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
     factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
-    kept = max_memory // 4 if factor else 0  # a quarter of the budget for the kept c(W_O) Γ W, the rest per step
+    kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
     weights = _FactoredWeights(net, kinds, kept) if factor else None
     for batch in _batches(net, sets, alternatives, batch_size, advance):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
         receivers = {l: _receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk, clean = _sender_chunk(net, batch, max_memory - kept), {}
+        chunk, clean = _sender_chunk(net, *batch.resid[0].shape[:2], max_memory - kept), {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))

@@ -76,7 +76,7 @@ class CausalOptions:
     ablation: str = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
     batch_size: int = 16
-    max_memory: int = 1024**3  # working bytes of one batched patching step
+    max_memory: int = 1024**3  # working bytes of one batched patching step, with the products its steps share
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
     loss_inputs: int = 8  # the first N inputs of each set: the layers from the receiver's on, per edge and input
