@@ -519,17 +519,16 @@ def _sender_bytes(net: _Net, b: int, T: int) -> int:
     return 4 * b * (5 * T * net.weights["W_O"].shape[-1] + 3 * net.n_heads * T * T)
 
 
-def _sender_chunk(net: _Net, b: int, T: int, max_memory: int) -> int:
-    """Senders per batched step over b inputs of length T so that its working tensors stay within max_memory."""
-    return max(1, min(net.n_heads, max_memory // _sender_bytes(net, b, T)))
+def _sender_chunk(net: _Net, per_sender: int, max_memory: int) -> int:
+    """Senders per batched step, each of `per_sender` working bytes, so that the step stays within max_memory."""
+    return max(1, min(net.n_heads, max_memory // per_sender))
 
 
 def _kept_budget(net: _Net, sets, batch_size: int, max_memory: int) -> int:
     """What max_memory leaves for the kept c(W_O) Γ W once the widest batch's step has its working bytes (a
     set's batches are at most batch_size inputs of its padded length), so that both together stay within it."""
-    widest = max(((min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets),
-                 key=lambda size: _sender_bytes(net, *size))
-    return max(0, max_memory - _sender_chunk(net, *widest, max_memory) * _sender_bytes(net, *widest))
+    per_sender = max(_sender_bytes(net, min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets)
+    return max(0, max_memory - _sender_chunk(net, per_sender, max_memory) * per_sender)
 
 
 # ---------- bootstrap ---------------------------------------------------------------------------------------
@@ -613,7 +612,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         receivers = {l: _receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk, clean = _sender_chunk(net, *batch.resid[0].shape[:2], max_memory - kept), {}
+        chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), max_memory - kept), {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))
