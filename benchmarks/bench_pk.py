@@ -21,8 +21,9 @@ fp32 GEMM peak, best of square matmuls before and after, and the fraction of tha
 peak memory above the inputs (CUDA: max_memory_allocated; CPU: resident set sampled every 5 ms), and a
 per-step table of whole default `headgraph analyze` processes (fresh, cold, as a user runs them: roles, causal
 effects, report and an embedded store included; the PK stages broken out) on a saved random-init GPT-2-small
-folder, with the floor of its two largest stages after the causal ones: the role stage's matmul FLOPs (counted
-by torch's FlopCounterMode) and the model-matched null's planned FLOPs, each at the GEMM peak.
+folder (GPT-2's own 50257-token vocabulary unless --vocab), with the floor of the stages that run the model or
+the null: the matmul FLOPs of the role tests and the causal effects (counted by torch's FlopCounterMode on the
+same inputs and edges) and the model-matched null's planned FLOPs, each at the GEMM peak.
 """
 
 import argparse
@@ -282,48 +283,64 @@ def analyze_steps(device: str, types: str, folder: Path, work: Path, max_memory:
     run = json.loads((work / "run" / "run.json").read_text())
     steps = json.loads(done.stdout)["timings_s"]
     return {"wall": wall, "steps": steps, "stages": run["timings_s"], "formulation": run["engine"]["pass"]["formulation"],
-            "null_flops": run["null_model"]["pass"]["flops"]}
+            "null_flops": run["null_model"]["pass"]["flops"], "run_dir": work / "run"}
 
 
-def role_flops(folder: Path, device: str) -> float:
-    """Matmul FLOPs of the role stage on the folder's model: torch's FlopCounterMode over compute_roles with the
-    default RoleOptions (the forward passes to the last attention pattern, as analyze runs them)."""
+def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
+    """Matmul FLOPs (torch's FlopCounterMode) of the stages that run the model, on the folder's model with the
+    defaults analyze ran: the role tests (forward passes to the last attention pattern), the causal local effects
+    of every pair of the run's OQ/OK/OV types, and the loss effects of the run's edges that have one (read from
+    its pairs.parquet)."""
+    import pandas as pd
     from torch.utils.flop_counter import FlopCounterMode
 
+    from headgraph.analysis.causal import KEY_COLUMNS, CausalStage
+    from headgraph.analysis.options import CausalOptions
     from headgraph.analysis.roles import compute_roles
     from headgraph.loader.models import load_model
 
     model = load_model(str(folder), device=device)
-    with FlopCounterMode(display=False) as counter:
-        compute_roles(model)
-    return float(counter.get_total_flops())
+    pairs = pd.read_parquet(run_dir / "pairs.parquet")
+    types = sorted(set(pairs["source_type"] + pairs["target_type"]))
+    stage = CausalStage.prepare(model, CausalOptions(), seed=0)
+    flops = {}
+    for name, work in (("roles", lambda: compute_roles(model)),
+                       ("causal local", lambda: stage.local(pairs[KEY_COLUMNS], types, seed=0)),
+                       ("causal loss", lambda: stage.loss(pairs[KEY_COLUMNS], pairs[pairs["effect_loss"].notna()],
+                                                          seed=0))):
+        with FlopCounterMode(display=False) as counter:
+            work()
+        flops[name] = float(counter.get_total_flops())
+    return flops
 
 
 def floor_rows(runs: dict, folder: Path, device: str, gemm_n: int) -> list[str]:
-    """The compute floor of two stages of the analyze, at the fp32 GEMM peak: the role stage's counted FLOPs, and
-    the model-matched null's planned FLOPs (its formulation's, each null head built once; drawing the null heads
-    is not counted)."""
+    """The compute floor of the stages of the analyze that run the model or the null, at the fp32 GEMM peak: the
+    counted matmul FLOPs of the role tests and the causal effects, and the model-matched null's planned FLOPs
+    (its formulation's, each null head built once; drawing the null heads is not counted)."""
     gemm = gemm_flops_per_s(device, gemm_n)
-    roles = role_flops(folder, device)
     lines = [f"  fp32 GEMM peak {gemm / 1e9:.1f} GFLOP/s ({gemm_n}^3)"]
     for types, results in runs.items():
         best = min(results, key=lambda r: r["wall"])
-        null = best["null_flops"]
-        lines.append(f"  floor --types {types}: roles {roles / 1e9:.0f} GFLOP = {roles / gemm:.1f} s at the peak "
-                     f"(ran {best['steps']['roles']:.1f} s), model-matched null {null / 1e9:.0f} GFLOP = "
-                     f"{null / gemm:.1f} s (ran {best['stages']['model_null']:.1f} s); their sum "
-                     f"{(roles + null) / gemm:.1f} s of the fastest process's {best['wall']:.1f} s")
+        flops = counted_flops(folder, device, best["run_dir"])
+        ran = {"roles": best["steps"]["roles"], "causal local": best["steps"]["causal_local"],
+               "causal loss": best["steps"]["causal_loss"]}
+        flops["model-matched null"], ran["model-matched null"] = best["null_flops"], best["stages"]["model_null"]
+        parts = ", ".join(f"{name} {f / 1e9:.0f} GFLOP = {f / gemm:.1f} s (ran {ran[name]:.1f} s)"
+                          for name, f in flops.items())
+        lines.append(f"  floor --types {types}: {parts}; their sum {sum(flops.values()) / gemm:.1f} s of the "
+                     f"fastest process's {best['wall']:.1f} s")
     return lines
 
 
-def bench_analyze(device: str, repeat: int, max_memory: str, gemm_n: int) -> None:
+def bench_analyze(device: str, repeat: int, max_memory: str, gemm_n: int, vocab: int) -> None:
     from headgraph.testing.synthetic import save_synthetic
 
     print(f"\n== whole `headgraph analyze` processes (defaults: roles, causal effects, report, embedded store), "
-          f"random-init GPT-2 small (saved folder, vocab 512), device {device}; each a fresh process ==")
+          f"random-init GPT-2 small (saved folder, vocab {vocab}), device {device}; each a fresh process ==")
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_synthetic(Path(tmp) / "gpt2-small-random", n_layers=12, n_heads=12, d_model=768, d_head=64,
-                                n_ctx=1024)
+                                n_ctx=1024, vocab=vocab)
         runs = {}
         for types in ("oq,ok,ov", "all"):
             runs[types] = []
@@ -358,6 +375,8 @@ def main():
     parser.add_argument("--analyze-repeat", type=int, default=None, help="analyze processes per type set "
                         "(default: --repeat)")
     parser.add_argument("--max-memory", default="2GiB", help="the engine's working-memory budget (as analyze's)")
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary of the analyzed GPT-2-small-shaped "
+                        "folder (the loss effects' unembedding scales with it)")
     parser.add_argument("--only", choices=["gpt2", "large"], default=None)
     args = parser.parse_args()
     args.gemm_n = args.gemm_n or (8192 if args.device == "cuda" else 2048)
@@ -372,7 +391,7 @@ def main():
         if args.only is None or (args.only == "gpt2") == shape.name.startswith("GPT-2"):
             bench(shape, args.device, args)
     if not args.skip_analyze and args.only != "large":
-        bench_analyze(args.device, args.analyze_repeat or args.repeat, args.max_memory, args.gemm_n)
+        bench_analyze(args.device, args.analyze_repeat or args.repeat, args.max_memory, args.gemm_n, args.vocab)
 
 
 if __name__ == "__main__":
