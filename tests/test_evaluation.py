@@ -189,8 +189,27 @@ def test_resampled_ranks_are_scipys_average_ranks_of_each_resample():
 
     rng = np.random.default_rng(1)
     x = np.round(rng.normal(size=200), 1)  # many ties
-    counts = rng.multinomial(200, np.full(200, 1 / 200), size=5).astype(float)
-    ranks = E._resampled_ranks(x, counts)
-    for b in range(5):
-        items = np.repeat(np.arange(200), counts[b].astype(int))
-        np.testing.assert_allclose(ranks[b][items], rankdata(x[items]))
+    counts = rng.multinomial(200, np.full(200, 1 / 200), size=5).T.astype(float)  # [items, resamples]
+    for work in (None, (np.full_like(counts, np.nan), np.full_like(counts, np.nan))):
+        ranks = E._resampled_ranks(x, counts, work)
+        for b in range(5):
+            items = np.repeat(np.arange(200), counts[:, b].astype(int))
+            np.testing.assert_allclose(ranks[items, b], rankdata(x[items]))
+    distinct = rng.permutation(200).astype(float)  # no ties: the other branch
+    ranks = E._resampled_ranks(distinct, counts)
+    items = np.repeat(np.arange(200), counts[:, 0].astype(int))
+    np.testing.assert_allclose(ranks[items, 0], rankdata(distinct[items]))
+
+
+def test_spearman_interval_is_the_percentile_interval_of_scipys_rho_on_each_resample():
+    from scipy.stats import spearmanr
+
+    rng = np.random.default_rng(2)
+    y = rng.gamma(1.0, size=60)
+    xs = [np.round(y + rng.normal(size=60), 1), rng.normal(size=60)]  # ties, and no dependence
+    got = E.spearman_intervals(xs, y, n_boot=300, seed=7)
+    draws = np.random.default_rng(7).integers(0, 60, size=(300, 60))  # resample b draws pairs draws[b]
+    for x, (rho, lo, hi) in zip(xs, got):
+        boot = [spearmanr(x[d], y[d]).statistic for d in draws]
+        assert rho == pytest.approx(spearmanr(x, y).statistic)
+        assert (lo, hi) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])), abs=1e-12)

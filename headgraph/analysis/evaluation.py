@@ -121,26 +121,42 @@ def causal_pairs(pairs: pd.DataFrame, threshold: float = CAUSAL_THRESHOLD) -> np
     return (pairs["effect_lo"] > threshold).to_numpy()
 
 
-def _resampled_ranks(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Average ranks [B, n] of each item within each resample given by `counts` [B, n] (copies of item i in
+def _resampled_ranks(values: np.ndarray, counts: np.ndarray, work: tuple[np.ndarray, np.ndarray] | None = None,
+                     ) -> np.ndarray:
+    """Average ranks [n, B] of each item within each resample given by `counts` [n, B] (copies of item i in
     resample b): the copies of a value share rank (copies below it) + (its copies + 1) / 2, ties of the original
-    values included; exactly scipy's average ranks of the resampled values, in O(n) per resample."""
+    values included; exactly scipy's average ranks of the resampled values, in O(n) per resample.
+
+    Items are rows, so reordering them moves whole rows of B resamples. `work`: two float arrays shaped like
+    `counts` to compute in (the result is one of them); without it they are allocated. Arrays this large are
+    fresh pages on every allocation, whose first touch costs more than the arithmetic, hence reusable buffers;
+    `np.take` writes into them with mode="clip" (the indices are permutations, always in range), as its default
+    mode copies through a temporary.
+    """
+    work = work if work is not None else (np.empty_like(counts, dtype=float), np.empty_like(counts, dtype=float))
     order = np.argsort(values, kind="stable")
     distinct, starts, inverse = np.unique(values[order], return_index=True, return_inverse=True)
-    per_value = counts[:, order]
+    copies, below = work[0][: len(distinct)], work[1][: len(distinct)]  # per distinct value, in value order
     if len(distinct) < len(values):  # tied values share their copies' ranks
-        per_value = np.add.reduceat(per_value, starts, axis=1)  # [B, distinct values]
-    ranks = np.cumsum(per_value, axis=1) - (per_value - 1) / 2
+        np.take(counts, order, axis=0, out=work[1], mode="clip")
+        np.add.reduceat(work[1], starts, axis=0, out=copies)
+    else:
+        np.take(counts, order, axis=0, out=copies, mode="clip")
+    np.cumsum(copies, axis=0, out=below)
+    copies -= 1
+    copies *= 0.5
+    below -= copies  # the average rank of each value's copies
     item = np.empty(len(values), dtype=int)
     item[order] = inverse
-    return ranks[:, item]
+    return np.take(below, item, axis=0, out=work[0], mode="clip")
 
 
 def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
                        confidence: float = 0.95) -> list[tuple[float, float, float]]:
     """Spearman's rho of each x in `xs` with y and its percentile bootstrap interval over pairs, every x on the
     same resamples (drawn once, and y ranked once in each): a resample's rho is the count-weighted Pearson
-    correlation of the resample's own average ranks (`_resampled_ranks`), all resamples at once.
+    correlation of the resample's own average ranks (`_resampled_ranks`), all resamples at once. The ranks of
+    n draws always average (n + 1) / 2, so they are centred on that.
 
     >>> x = np.arange(50.0)
     >>> [tuple(round(v, 9) for v in r) for r in spearman_intervals([x, -x], x ** 3)]  # monotone: every resample
@@ -150,21 +166,23 @@ def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
     n = len(y)
     if n < 3:
         return [(float("nan"),) * 3 for _ in xs]
-    # n draws with replacement per resample, as copies per pair: multinomial counts, drawn as a bincount
-    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
-    counts = np.bincount(draws.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(float)
-    ry = _resampled_ranks(y, counts)
-    my = np.einsum("bi,bi->b", counts, ry) / n
-    syy = np.einsum("bi,bi,bi->b", counts, ry, ry) - n * my**2
+    # n draws with replacement per resample, as copies per pair: multinomial counts [n, B], drawn as a bincount
+    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) * n_boot + np.arange(n_boot)[:, None]
+    counts = np.bincount(draws.ravel(), minlength=n * n_boot).reshape(n, n_boot).astype(float)
+    del draws
+    work = (np.empty_like(counts), np.empty_like(counts))
+    centre = (n + 1) / 2
+    ry = _resampled_ranks(y, counts, work) - centre
+    syy = np.einsum("ib,ib,ib->b", counts, ry, ry)
     tail = 50.0 * (1.0 - confidence)
     results = []
     for x in xs:
         x = np.asarray(x, float)
         rho = float(stats.spearmanr(x, y).statistic)
-        rx = _resampled_ranks(x, counts)
-        mx = np.einsum("bi,bi->b", counts, rx) / n
-        sxy = np.einsum("bi,bi,bi->b", counts, rx, ry) - n * mx * my
-        sxx = np.einsum("bi,bi,bi->b", counts, rx, rx) - n * mx**2
+        rx = _resampled_ranks(x, counts, work)
+        rx -= centre
+        sxy = np.einsum("ib,ib,ib->b", counts, rx, ry)
+        sxx = np.einsum("ib,ib,ib->b", counts, rx, rx)
         with np.errstate(invalid="ignore", divide="ignore"):
             boot = sxy / np.sqrt(sxx * syy)
         lo, hi = np.nanpercentile(boot, [tail, 100 - tail]) if np.isfinite(boot).any() else (np.nan, np.nan)
