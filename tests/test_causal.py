@@ -470,3 +470,23 @@ def test_bad_arguments_are_named(synthetic_dir):
 def test_the_docstring_example_runs():
     result = doctest.testmod(C, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, monkeypatch):
+    model = loaded(planted_key_path[0], "tl")
+    net = C._network(model, repeated_token_inputs(model.tokenizer, 1, seed=0, length=8))
+    probe = repeated_token_inputs(model.tokenizer, 1, seed=0, length=8)
+    assert C._plain_unembed(net, probe) is model.bridge.unembed.original_component
+    model.bridge.add_hook("unembed.hook_out", lambda logits, hook: 2 * logits)  # logits changed after it
+    try:
+        assert C._plain_unembed(net, probe) is None
+    finally:
+        model.bridge.reset_hooks()
+    inputs = repeated_token_inputs(model.tokenizer, 6, seed=3, length=8)
+    edges = pd.DataFrame({"source": ["L0H0", "L0H1", "L1H2"], "target": ["L1H1", "L2H0", "L2H3"],
+                          "source_type": "O", "target_type": ["Q", "K", "V"]})
+    buffered = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
+    monkeypatch.setattr(C, "_plain_unembed", lambda net, probe: None)
+    bridges = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
+    assert bridges.effect_loss.abs().max() > 1e-4
+    pd.testing.assert_frame_equal(buffered, bridges, rtol=1e-5)

@@ -675,10 +675,54 @@ def _head_change(net: _Net, recv: _Layer, layer: int, dx: torch.Tensor, kind: st
     return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
 
 
-def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+def _plain_unembed(net: _Net, probe: TokenInputs) -> torch.nn.Linear | None:
+    """The decoder's unembedding as the torch Linear whose output is the model's logits (checked on `probe`), or
+    None: an encoder, or a model that changes its logits after the unembedding (soft-capping, scaling)."""
+    linear = getattr(net.bridge.unembed, "original_component", None) if net.causal else None
+    if type(linear) is not torch.nn.Linear:
+        return None
+    hidden = {}
+
+    def keep(h, hook):
+        hidden["in"] = h
+        return h
+
+    logits = net.bridge.run_with_hooks(probe.input_ids.to(net.bridge.cfg.device), fwd_hooks=[("unembed.hook_in", keep)],
+                                       **model_kwargs(net.bridge, probe))
+    mine = torch.nn.functional.linear(hidden["in"], linear.weight, linear.bias)
+    return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
+
+
+class _Logits:
+    """Logits of the loss passes through a plain unembedding (`_plain_unembed`), written into one buffer grown
+    to the largest pass and reused: a pass's logits are its largest tensor (e.g. 60 copies x 41 tokens x 50257,
+    half a GB), and fresh memory of that size costs its first touch on every pass."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear, self.buffer = linear, torch.empty(0)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """linear(hidden) [G, T, V] for hidden [G, T, d], in the buffer (valid until the next call)."""
+        weight, bias = self.linear.weight, self.linear.bias
+        rows, size = hidden.shape[0] * hidden.shape[1], hidden.shape[0] * hidden.shape[1] * weight.shape[0]
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(0)  # the old buffer goes before the new one is allocated
+            self.buffer = torch.empty(size, dtype=weight.dtype, device=weight.device)
+        out = self.buffer[:size].view(rows, weight.shape[0])
+        flat = hidden.reshape(rows, -1).to(weight.dtype)
+        if bias is None:
+            torch.mm(flat, weight.T, out=out)
+        else:
+            torch.addmm(bias, flat, weight.T, out=out)
+        return out.view(*hidden.shape[:2], -1)
+
+
+def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, int, torch.Tensor]],
+                     logits: _Logits | None = None) -> torch.Tensor:
     """Logits (decoder) or final hidden states (encoder) [1 + G, T, .] of one input (`inputs`, one row, no
     padding) in one forward pass: row 0 clean, row 1 + g with head changes[g][1] of layer changes[g][0] (layers
-    in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it.
+    in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it. With
+    `logits`, a decoder's pass stops at the unembedding's input and `logits` computes them.
 
     Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
     once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
@@ -708,8 +752,12 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
                                                      (f"blocks.{layer}.attn.hook_z", patch))]
     if not net.causal:
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
-    return net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                     return_type="logits" if net.causal else None, **model_kwargs(net.bridge, inputs))
+    elif logits is not None:
+        hooks.append(("unembed.hook_in", stop))
+    out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                    return_type="logits" if net.causal and logits is None else None,
+                                    **model_kwargs(net.bridge, inputs))
+    return logits(out) if net.causal and logits is not None else out
 
 
 def _copies_per_pass(net: _Net, length: int, max_memory: int) -> int:
@@ -756,6 +804,8 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
     advance = _progress(progress, "causal: loss effects", sets, batch_size, ablation == "mean")
     order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
+    unembed = _plain_unembed(net, sets[0].batch(0, 1))
+    logits = _Logits(unembed) if unembed is not None else None
     for batch in _batches(net, sets, alternatives, batch_size, advance):
         receivers, changes = {}, []
         for e in order:
@@ -773,7 +823,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
             step = _copies_per_pass(net, T, max_memory)
             for first in range(0, len(changes), step):
                 out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
-                                                  for layer, head, dz in changes[first:first + step]])
+                                                  for layer, head, dz in changes[first:first + step]], logits)
                 if net.causal:
                     losses = _token_losses(out, one.input_ids[0]).sum(-1)
                     change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
