@@ -474,8 +474,8 @@ def test_the_docstring_example_runs():
 
 def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, monkeypatch):
     model = loaded(planted_key_path[0], "tl")
-    net = C._network(model, repeated_token_inputs(model.tokenizer, 1, seed=0, length=8))
     probe = repeated_token_inputs(model.tokenizer, 1, seed=0, length=8)
+    net = C._network(model, probe)
     assert C._plain_unembed(net, probe) is model.bridge.unembed.original_component
     model.bridge.add_hook("unembed.hook_out", lambda logits, hook: 2 * logits)  # logits changed after it
     try:

@@ -709,7 +709,7 @@ class _Logits:
             self.buffer = torch.empty(0)  # the old buffer goes before the new one is allocated
             self.buffer = torch.empty(size, dtype=weight.dtype, device=weight.device)
         out = self.buffer[:size].view(rows, weight.shape[0])
-        flat = hidden.reshape(rows, -1).to(weight.dtype)
+        flat = hidden.reshape(rows, -1)
         if bias is None:
             torch.mm(flat, weight.T, out=out)
         else:
@@ -722,7 +722,7 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
     """Logits (decoder) or final hidden states (encoder) [1 + G, T, .] of one input (`inputs`, one row, no
     padding) in one forward pass: row 0 clean, row 1 + g with head changes[g][1] of layer changes[g][0] (layers
     in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it. With
-    `logits`, a decoder's pass stops at the unembedding's input and `logits` computes them.
+    `logits` (a decoder's plain unembedding), the pass stops at the unembedding's input and `logits` computes them.
 
     Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
     once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
@@ -757,7 +757,7 @@ def _patched_outputs(net: _Net, inputs: TokenInputs, changes: list[tuple[int, in
     out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
                                     return_type="logits" if net.causal and logits is None else None,
                                     **model_kwargs(net.bridge, inputs))
-    return logits(out) if net.causal and logits is not None else out
+    return out if logits is None else logits(out)
 
 
 def _copies_per_pass(net: _Net, length: int, max_memory: int) -> int:
