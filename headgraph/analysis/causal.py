@@ -681,15 +681,8 @@ def _plain_unembed(net: _Net, probe: TokenInputs) -> torch.nn.Linear | None:
     linear = getattr(net.bridge.unembed, "original_component", None) if net.causal else None
     if type(linear) is not torch.nn.Linear:
         return None
-    hidden = {}
-
-    def keep(h, hook):
-        hidden["in"] = h
-        return h
-
-    logits = net.bridge.run_with_hooks(probe.input_ids.to(net.bridge.cfg.device), fwd_hooks=[("unembed.hook_in", keep)],
-                                       **model_kwargs(net.bridge, probe))
-    mine = torch.nn.functional.linear(hidden["in"], linear.weight, linear.bias)
+    logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
+    mine = torch.nn.functional.linear(hidden["unembed.hook_in"], linear.weight, linear.bias)
     return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
 
 
