@@ -1,4 +1,4 @@
-"""Direct-path patching (analysis/causal.py) against references computed another way: one pair at a time through
+"""Direct-path patching (analysis/causal/) against references computed another way: one pair at a time through
 TransformerLens hooks (the model's own LayerNorm and attention), by hand in numpy on a planted model, and the
 exact zeros of patching a sender with its own clean output."""
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from headgraph.analysis import causal as C
+from headgraph.analysis.causal import loss as causal_loss
+from headgraph.analysis.causal import network as causal_network
 from headgraph.analysis.prompts import TokenInputs, ioi_inputs, repeated_token_inputs, sentence_pair_inputs
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model, minilm_dir
@@ -227,7 +229,7 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
     model = load_model("induction-2l", processing=processing, device="cpu")  # trained: LayerNorm weights not 1
     inputs = repeated_token_inputs(model.tokenizer, 12, seed=3, length=10)
     factored = C.local_effects(model, inputs, n_boot=50)
-    monkeypatch.setattr(C._Net, "layer_norm", lambda self, layer, which: None)  # no factoring: LN(x + Δ) − LN(x)
+    monkeypatch.setattr(causal_network.Net, "layer_norm", lambda self, layer, which: None)  # no factoring: LN(x + Δ) − LN(x)
     recomputed = C.local_effects(model, inputs, n_boot=50)
     assert factored.effect.max() > 0.3  # the induction circuit's keys move
     np.testing.assert_allclose(factored.effect, recomputed.effect, rtol=1e-4, atol=1e-7)
@@ -475,18 +477,18 @@ def test_the_docstring_example_runs():
 def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, monkeypatch):
     model = loaded(planted_key_path[0], "tl")
     probe = repeated_token_inputs(model.tokenizer, 1, seed=0, length=8)
-    net = C._network(model, probe)
-    assert C._plain_unembed(net, probe) is model.bridge.unembed.original_component
+    net = causal_network.network(model, probe)
+    assert causal_loss._plain_unembed(net, probe) is model.bridge.unembed.original_component
     model.bridge.add_hook("unembed.hook_out", lambda logits, hook: 2 * logits)  # logits changed after it
     try:
-        assert C._plain_unembed(net, probe) is None
+        assert causal_loss._plain_unembed(net, probe) is None
     finally:
         model.bridge.reset_hooks()
     inputs = repeated_token_inputs(model.tokenizer, 6, seed=3, length=8)
     edges = pd.DataFrame({"source": ["L0H0", "L0H1", "L1H2"], "target": ["L1H1", "L2H0", "L2H3"],
                           "source_type": "O", "target_type": ["Q", "K", "V"]})
     buffered = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
-    monkeypatch.setattr(C, "_plain_unembed", lambda net, probe: None)
+    monkeypatch.setattr(causal_loss, "_plain_unembed", lambda net, probe: None)
     bridges = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
     assert bridges.effect_loss.abs().max() > 1e-4
     pd.testing.assert_frame_equal(buffered, bridges, rtol=1e-5)

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from headgraph.analysis.bootstrap import percentile_interval, resample_counts
 from headgraph.analysis.classes import HeadClasses
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
@@ -166,15 +167,11 @@ def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
     n = len(y)
     if n < 3:
         return [(float("nan"),) * 3 for _ in xs]
-    # n draws with replacement per resample, as copies per pair: multinomial counts [n, B], drawn as a bincount
-    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) * n_boot + np.arange(n_boot)[:, None]
-    counts = np.bincount(draws.ravel(), minlength=n * n_boot).reshape(n, n_boot).astype(float)
-    del draws
+    counts = resample_counts(n, n_boot, seed)  # n draws with replacement per resample, as copies per pair
     work = (np.empty_like(counts), np.empty_like(counts))
     centre = (n + 1) / 2
     ry = _resampled_ranks(y, counts, work) - centre
     syy = np.einsum("ib,ib,ib->b", counts, ry, ry)
-    tail = 50.0 * (1.0 - confidence)
     results = []
     for x in xs:
         x = np.asarray(x, float)
@@ -185,7 +182,8 @@ def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
         sxx = np.einsum("ib,ib,ib->b", counts, rx, rx)
         with np.errstate(invalid="ignore", divide="ignore"):
             boot = sxy / np.sqrt(sxx * syy)
-        lo, hi = np.nanpercentile(boot, [tail, 100 - tail]) if np.isfinite(boot).any() else (np.nan, np.nan)
+        finite = boot[np.isfinite(boot)]
+        lo, hi = percentile_interval(finite, confidence) if len(finite) else (np.nan, np.nan)
         results.append((rho, float(lo), float(hi)))
     return results
 

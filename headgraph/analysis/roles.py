@@ -188,7 +188,14 @@ def ttest_scores(scores: np.ndarray, tau: float = 3.0, alpha: float = 0.05, corr
     return mean, p, adjust_pvalues(p, correction) < alpha
 
 
-def _build_inputs(model, name: str, n: int, seed: int) -> TokenInputs:
+def input_set_names(decoder: bool) -> list[str]:
+    """The generated input sets the role tests of a decoder (or an encoder) run on, in order."""
+    return list(dict.fromkeys(role.inputs for role in (DECODER_ROLES if decoder else ENCODER_ROLES)))
+
+
+def input_set(model, name: str, n: int, seed: int) -> TokenInputs:
+    """The generated input set `name` (of `input_set_names`) of a LoadedModel, n inputs (the causal stage
+    patches on the same sets)."""
     if name == "ioi":
         return ioi_inputs(model.tokenizer, n, seed)
     if name == "repeated_tokens":
@@ -237,8 +244,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     check_tokenizer(model)
     causal = bool(model.cfg["is_decoder"])
     roles = DECODER_ROLES if causal else ENCODER_ROLES
-    input_names = list(dict.fromkeys(role.inputs for role in roles))
-    inputs = {name: _build_inputs(model, name, n_inputs, seed) for name in input_names}
+    inputs = {name: input_set(model, name, n_inputs, seed) for name in input_set_names(causal)}
     task = None
     if progress is not None:
         task = progress.add_task("role patterns", total=sum(-(-len(x) // batch_size) for x in inputs.values()))
@@ -248,7 +254,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
             progress.advance(task)
 
     scores, selfatt = {}, None
-    for name in input_names:
+    for name in inputs:
         got, att = _scores_on(model, tuple(r for r in roles if r.inputs == name), inputs[name], causal,
                               batch_size, advance)
         scores.update(got)

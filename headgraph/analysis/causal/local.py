@@ -1,0 +1,220 @@
+"""Local direct-path effects of every earlier -> later head pair: how far the receiver's attention row
+(Q/K edges, total variation) or its output (V edges, relative change) moves when only its Q/K/V input sees
+the sender's change. All senders of one layer x all receivers of one later layer are one batched tensor
+operation; pre-LN models with LayerNorm project the senders' Δz through c(W_O) Γ W (`_FactoredChange`)."""
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from headgraph.analysis.bootstrap import ratio_intervals
+from headgraph.analysis.causal.inputs import counterfactuals, input_sets
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
+                                               Batch, Layer, Net, batches, carry, check_counts, input_change,
+                                               network, progress_advance, project, receiver_layer, sender_writes)
+from headgraph.analysis.options import DEFAULT_N_BOOT
+from headgraph.analysis.prompts import TokenInputs
+from headgraph.errors import UsageError
+from headgraph.heads import COMPOSITION_TYPES, check_type_pair, head_name
+
+LOCAL_COLUMNS = KEY_COLUMNS + ["effect", "effect_lo", "effect_hi"]
+
+
+def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
+    """What the local effect projects a changed input through, [H, d, e]: W_Q or W_K, and W_V R for values,
+    so that a head's changed z comes out as Δz R, whose squared norm is its output change's ||Δz W_O||²."""
+    return net.weights["W_V_out" if kind == "V" else f"W_{kind}"][layer]
+
+
+class _FactoredWeights:
+    """What `_FactoredChange` needs of the weights, the same for every batch: Γ W per (receiver layer, kind),
+    with Γ = diag(γ) of the receiver's ln1 and W the `local_weight`, and c(W_O[s]) Γ W [S, e, H, e] per (sender
+    layer, sender heads, receiver layer, kind), c(W_O) = W_O with each row centred, kept while they fit `budget`
+    bytes and computed again per batch beyond that."""
+
+    def __init__(self, net: Net, kinds: Sequence[str], budget: int):
+        w_o = net.weights["W_O"]
+        self.w_o = w_o - w_o.mean(-1, keepdim=True)  # c(W_O)
+        self.budget, self.eps, self.scaled, self.kept = budget, {}, {}, {}
+        for layer in range(1, net.n_layers):
+            gamma, self.eps[layer] = net.layer_norm(layer, 1)
+            for kind in kinds:
+                w = local_weight(net, layer, kind)  # [H, d, e]
+                self.scaled[layer, kind] = w if gamma is None else gamma.detach().to(w)[None, :, None] * w  # Γ W
+
+    def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
+        key = (sender_layer, heads.start, layer, kind)
+        if key in self.kept:
+            return self.kept[key]
+        mixed = torch.einsum("sed,hdf->sehf", self.w_o[sender_layer, heads], self.scaled[layer, kind])
+        if mixed.numel() * mixed.element_size() <= self.budget:
+            self.kept[key] = mixed
+            self.budget -= mixed.numel() * mixed.element_size()
+        return mixed
+
+
+class _FactoredChange:
+    """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
+    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its
+    weight, LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz c(W_O) Γ W. So the change
+    is one product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the clean term: the d × d projection
+    per sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass over the result corrects it after.
+    The result equals `project` of `input_change` up to rounding (tested against it and against hooked runs).
+
+    `clean` caches the batch's sender-independent terms, c(x) and var(x) per receiver layer and c(x) Γ W per
+    (layer, kind); one dict per batch, shared by its sender chunks."""
+
+    def __init__(self, weights: _FactoredWeights, batch: Batch, sender_layer: int, heads: slice,
+                 delta: torch.Tensor, clean: dict):
+        self.weights, self.batch, self.sender_layer, self.heads, self.clean = weights, batch, sender_layer, heads, clean
+        self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
+        self.delta = delta
+        self.delta_var = delta.var(-1, correction=0)  # [S, b, T]
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Δz/σ' [b, T, S, e] and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
+        if layer not in self.clean:
+            x = self.batch.resid[layer]
+            centred = x - x.mean(-1, keepdim=True)
+            self.clean[layer] = (centred, centred.pow(2).mean(-1))
+        if layer not in self.scales:
+            centred, var = self.clean[layer]
+            eps = self.weights.eps[layer]
+            var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / centred.shape[-1] + self.delta_var
+            inv_new = (var_new + eps).clamp(min=eps).rsqrt()
+            self.scales[layer] = (self.dz * inv_new.permute(1, 2, 0)[..., None], inv_new - (var + eps).rsqrt())
+        return self.scales[layer]
+
+    def project(self, layer: int, kind: str) -> torch.Tensor:
+        dz_over_sigma, inv_change = self._scales(layer)
+        if (layer, kind) not in self.clean:  # γ·c(x) W
+            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.clean[layer][0],
+                                                   self.weights.scaled[layer, kind])
+        mixed = self.weights.mixed(self.sender_layer, self.heads, layer, kind)
+        change = torch.einsum("btse,sehf->sbthf", dz_over_sigma, mixed)  # γ·c(Δ) W / σ'
+        return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
+
+
+def patched_pattern(net: Net, recv: Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
+    """Attention [S, b, h, T, T] of the receiver heads `heads` when only their queries (kind Q) or keys (K)
+    change by d [S, b, T, h, e] (the changed input, projected)."""
+    if kind == "Q":  # the score scale on the small clean side, the clean scores added in place
+        change = torch.einsum("sbqhe,bkhe->sbhqk", d, recv.k[:, :, heads] * net.scale)
+    else:
+        change = torch.einsum("bqhe,sbkhe->sbhqk", recv.q[:, :, heads] * net.scale, d)
+    return torch.softmax(change.add_(recv.scores[:, heads]), -1)
+
+
+def value_change(recv: Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
+    """Change of z [S, b, T, h, e] of the receiver heads `heads` when only their values change by dv
+    [S, b, T, h, e] (the changed input, projected)."""
+    return torch.einsum("bhqk,sbkhe->sbqhe", recv.pattern[:, heads], dv)
+
+
+def _squared_outputs(net: Net, layer: int, z: torch.Tensor) -> torch.Tensor:
+    """||z_h W_O[h]||^2 = ||z_h R[h]||^2 [..., T, H] for z [..., T, H, e] of every head of a layer."""
+    return torch.einsum("...he,hef->...hf", z, net.out_root[layer]).pow(2).sum(-1)
+
+
+def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-input numerator [S, H, b] of the local effect of the senders behind d (their input change projected
+    through `local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head."""
+    if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
+        change = value_change(recv, d, slice(None)).pow_(2).sum(-1)
+        return (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
+    tv = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern).abs_().sum(-1).mul_(0.5)
+    return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
+
+
+def _sender_bytes(net: Net, b: int, T: int) -> int:
+    """Working bytes of one sender in a batched step over b inputs of length T (float32: the sender writes, the
+    patched input and its change, one projection, patched scores, rows and their difference)."""
+    return 4 * b * (5 * T * net.weights["W_O"].shape[-1] + 3 * net.n_heads * T * T)
+
+
+def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
+    """Senders per batched step, each of `per_sender` working bytes, so that the step stays within max_memory."""
+    return max(1, min(net.n_heads, max_memory // per_sender))
+
+
+def _kept_budget(net: Net, sets, batch_size: int, max_memory: int) -> int:
+    """What max_memory leaves for the kept c(W_O) Γ W once the widest batch's step has its working bytes (a
+    set's batches are at most batch_size inputs of its padded length), so that both together stay within it."""
+    per_sender = max(_sender_bytes(net, min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets)
+    return max(0, max_memory - _sender_chunk(net, per_sender, max_memory) * per_sender)
+
+
+@torch.no_grad()
+def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Sequence[str] = COMPOSITION_TYPES,
+                  ablation: str = "resample", corrupted: TokenInputs | Sequence[TokenInputs] | None = None,
+                  n_boot: int = DEFAULT_N_BOOT, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
+                  max_memory: int = DEFAULT_MAX_MEMORY, progress=None) -> pd.DataFrame:
+    """Local direct-path effect of every earlier -> later head pair of each type in `types` (OQ, OK, OV).
+
+    `model` is a LoadedModel (its `bridge` is used). `inputs`: one input set or several; resample ablation
+    draws each input's counterfactual within its own set (`resample_inputs`, seeded), or takes `corrupted`
+    (the same structure, row i the counterfactual of input i); mean ablation averages per set. Statistics pool
+    all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
+    (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
+    NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes together
+    with the c(W_O) Γ W products a pre-LN model's steps share across batches (kept in what the widest step
+    leaves of it, computed again per batch beyond that).
+    """
+    if not types:
+        raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
+    kinds = []
+    for t in types:
+        if check_type_pair(t) not in COMPOSITION_TYPES:
+            raise UsageError(f"causal effects are defined for {', '.join(COMPOSITION_TYPES)}, not {t!r}")
+        kinds.append(t[1])
+    check_counts(n_boot, batch_size)
+    sets = input_sets(inputs, "inputs")
+    alternatives = counterfactuals(sets, ablation, corrupted, seed)
+    net = network(model, sets[0].batch(0, 1))
+    L, H = net.n_layers, net.n_heads
+    later = np.arange(L)[:, None, None, None] < np.arange(L)[None, None, :, None]
+    pairs = np.nonzero(np.broadcast_to(later, (L, H, L, H)))  # (source layer, head, target layer, head)
+    index = np.full((L, H, L, H), -1)
+    index[pairs] = np.arange(len(pairs[0]))
+    n = sum(len(s) for s in sets)
+    num = {kind: np.zeros((len(pairs[0]), n)) for kind in kinds}
+    queries, outputs = np.zeros(n), np.zeros((L, H, n))
+    advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
+    # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
+    factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
+    kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
+    weights = _FactoredWeights(net, kinds, kept) if factor else None
+    for batch in batches(net, sets, alternatives, batch_size, advance):
+        queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
+        receivers = {l: receiver_layer(net, batch, l) for l in range(1, L)}
+        for l, recv in receivers.items():
+            outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
+        chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), max_memory - kept), {}
+        for sender_layer in range(L - 1):
+            for first in range(0, H, chunk):
+                heads = slice(first, min(first + chunk, H))
+                delta = sender_writes(net, batch, sender_layer, heads)
+                factored = _FactoredChange(weights, batch, sender_layer, heads, delta, clean) if factor else None
+                for layer in range(sender_layer + 1, L):
+                    if factored is None:
+                        delta = carry(net, batch, layer - 1, delta)
+                        dx = input_change(net, batch, receivers[layer], layer, delta)
+                    rows = index[sender_layer, heads, layer]
+                    for kind in kinds:
+                        d = (factored.project(layer, kind) if factored is not None
+                             else project(dx, local_weight(net, layer, kind)))
+                        num[kind][rows, batch.rows] = _local_sums(net, batch, receivers[layer], layer, d, kind).cpu()
+    src_layer, src_head, tgt_layer, tgt_head = pairs
+    names = {"source": [head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())],
+             "target": [head_name(l, h) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]}
+    frames = []
+    for kind in kinds:
+        den = outputs[tgt_layer, tgt_head] if kind == "V" else np.broadcast_to(queries, num[kind].shape)
+        effect, lo, hi = ratio_intervals(num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
+        frames.append(pd.DataFrame({
+            "source": pd.Series(names["source"], dtype=str), "target": pd.Series(names["target"], dtype=str),
+            "source_type": "O", "target_type": kind, "effect": effect, "effect_lo": lo, "effect_hi": hi}))
+    return pd.concat(frames, ignore_index=True)[LOCAL_COLUMNS]

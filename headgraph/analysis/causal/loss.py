@@ -1,0 +1,217 @@
+"""Downstream (loss) effects of given edges: the receiver's patched output replaces its clean one and the rest
+of the model runs on it. An input's patched copies share forward passes, each copy joining at its receiver's
+layer, so the layers before it run once per pass, not once per edge."""
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from headgraph.analysis.bootstrap import ratio_intervals
+from headgraph.analysis.causal.inputs import counterfactuals, input_sets
+from headgraph.analysis.causal.local import patched_pattern, value_change
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
+                                               Layer, Net, batches, carry, check_counts, input_change, network,
+                                               progress_advance, project, receiver_layer, sender_writes)
+from headgraph.analysis.options import DEFAULT_N_BOOT
+from headgraph.analysis.patterns import model_kwargs, run_with_activations
+from headgraph.analysis.prompts import TokenInputs
+from headgraph.errors import UsageError
+from headgraph.heads import COMPOSITION_TYPES
+
+LOSS_COLUMNS = KEY_COLUMNS + ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
+_HEAD = re.compile(r"^L(\d+)H(\d+)$")
+
+
+def _parse_head(name, n_layers: int, n_heads: int) -> tuple[int, int]:
+    m = _HEAD.match(str(name))
+    if not m or int(m[1]) >= n_layers or int(m[2]) >= n_heads:
+        raise UsageError(f"head {name!r} is not L<layer>H<head> within {n_layers} layers x {n_heads} heads")
+    return int(m[1]), int(m[2])
+
+
+def _parse_edges(edges: pd.DataFrame, net: Net) -> list[tuple[int, int, int, int, str]]:
+    """(source layer, source head, target layer, target head, "Q"/"K"/"V") of each edge row."""
+    missing = [c for c in KEY_COLUMNS if c not in edges.columns]
+    if missing:
+        raise UsageError(f"edges lack the columns {', '.join(missing)} (pairs.parquet's naming)")
+    parsed = []
+    for source, target, source_type, target_type in edges[KEY_COLUMNS].itertuples(index=False):
+        kind = f"{source_type}{target_type}"
+        if kind not in COMPOSITION_TYPES:
+            raise UsageError(f"edge {source} -> {target}: causal effects are defined for "
+                             f"{', '.join(COMPOSITION_TYPES)}, not {kind!r}")
+        (ls, hs), (lr, hr) = (_parse_head(h, net.n_layers, net.n_heads) for h in (source, target))
+        if ls >= lr:
+            raise UsageError(f"edge {source} -> {target}: the source's layer must come before the target's")
+        parsed.append((ls, hs, lr, hr, str(target_type)))
+    return parsed
+
+
+def _head_change(net: Net, recv: Layer, layer: int, dx: torch.Tensor, kind: str, head: int) -> torch.Tensor:
+    """Change of one receiver head's z [b, T, e] when only its `kind` input reads the changed input dx [1, b, T, d]."""
+    heads = slice(head, head + 1)
+    d = project(dx, net.weights[f"W_{kind}"][layer, heads])
+    if kind == "V":
+        return value_change(recv, d, heads)[0, :, :, 0]
+    new = patched_pattern(net, recv, d, kind, heads)[0, :, 0]
+    return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
+
+
+def _plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
+    """The decoder's unembedding as the torch Linear whose output is the model's logits (checked on `probe`), or
+    None: an encoder, or a model that changes its logits after the unembedding (soft-capping, scaling)."""
+    linear = getattr(net.bridge.unembed, "original_component", None) if net.causal else None
+    if type(linear) is not torch.nn.Linear:
+        return None
+    logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
+    mine = torch.nn.functional.linear(hidden["unembed.hook_in"], linear.weight, linear.bias)
+    return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
+
+
+class _Logits:
+    """Logits of the loss passes through a plain unembedding (`_plain_unembed`), written into one buffer grown
+    to the largest pass and reused: a pass's logits are its largest tensor (e.g. 60 copies x 41 tokens x 50257,
+    half a GB), and fresh memory of that size costs its first touch on every pass."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear, self.buffer = linear, torch.empty(0)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """linear(hidden) [G, T, V] for hidden [G, T, d], in the buffer (valid until the next call)."""
+        weight, bias = self.linear.weight, self.linear.bias
+        rows, size = hidden.shape[0] * hidden.shape[1], hidden.shape[0] * hidden.shape[1] * weight.shape[0]
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(0)  # the old buffer goes before the new one is allocated
+            self.buffer = torch.empty(size, dtype=weight.dtype, device=weight.device)
+        out = self.buffer[:size].view(rows, weight.shape[0])
+        flat = hidden.reshape(rows, -1)
+        if bias is None:
+            torch.mm(flat, weight.T, out=out)
+        else:
+            torch.addmm(bias, flat, weight.T, out=out)
+        return out.view(*hidden.shape[:2], -1)
+
+
+def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, int, torch.Tensor]],
+                     logits: _Logits | None = None) -> torch.Tensor:
+    """Logits (decoder) or final hidden states (encoder) [1 + G, T, .] of one input (`inputs`, one row, no
+    padding) in one forward pass: row 0 clean, row 1 + g with head changes[g][1] of layer changes[g][0] (layers
+    in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it. With
+    `logits` (a decoder's plain unembedding), the pass stops at the unembedding's input and `logits` computes them.
+
+    Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
+    once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
+    from transformer_lens.model_bridge.exceptions import StopAtLayerException
+
+    joining = {}  # layer -> (first row, heads, dz [k, T, e]) of the copies that join there
+    for g, (layer, head, dz) in enumerate(changes):
+        _, heads, dzs = joining.setdefault(layer, (1 + g, [], []))
+        heads.append(head)
+        dzs.append(dz)
+
+    def join(resid, hook):
+        k = len(joining[int(hook.name.split(".")[1])][1])
+        return torch.cat([resid, resid[:1].expand(k, *resid.shape[1:])])
+
+    def patch(z, hook):
+        first, heads, dzs = joining[int(hook.name.split(".")[1])]
+        z = z.clone()
+        rows = torch.arange(first, first + len(heads), device=z.device)
+        z[rows, :, torch.tensor(heads, device=z.device)] += torch.stack(dzs).to(z.dtype)
+        return z
+
+    def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
+        raise StopAtLayerException(hidden)
+
+    hooks = [hook for layer in joining for hook in ((f"blocks.{layer}.hook_resid_pre", join),
+                                                     (f"blocks.{layer}.attn.hook_z", patch))]
+    if not net.causal:
+        hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
+    elif logits is not None:
+        hooks.append(("unembed.hook_in", stop))
+    out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                    return_type="logits" if net.causal and logits is None else None,
+                                    **model_kwargs(net.bridge, inputs))
+    return out if logits is None else logits(out)
+
+
+def _copies_per_pass(net: Net, length: int, max_memory: int) -> int:
+    """Patched copies of one input of `length` tokens per forward pass (besides its clean row) so that its widest
+    activations (the logits and logsumexp's temporary, or the MLP's 4 d_model, float32) stay within max_memory
+    bytes."""
+    d = net.bridge.cfg.d_model
+    width = net.bridge.cfg.d_vocab * 2 if net.causal else 4 * d
+    return max(1, max_memory // (4 * length * (width + 8 * d)) - 1)
+
+
+def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy [G, T-1] of every position of G copies (logits [G, T, V], overwritten) of one
+    input (input_ids [T]), as logsumexp minus the target's logit, the logsumexp computed in the logits' own
+    memory: no [G, T, V] temporary is written (torch.logsumexp writes one, twice the time of the in-place one)."""
+    logits = logits[:, :-1].float()
+    targets = input_ids[1:].to(logits.device).expand(len(logits), -1)
+    target = logits.gather(-1, targets[..., None])[..., 0]
+    top = logits.amax(-1, keepdim=True)
+    return logits.sub_(top).exp_().sum(-1).log_() + top[..., 0] - target
+
+
+@torch.no_grad()
+def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.DataFrame, ablation: str = "resample",
+                 corrupted: TokenInputs | Sequence[TokenInputs] | None = None, n_boot: int = DEFAULT_N_BOOT,
+                 seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE, max_memory: int = DEFAULT_MAX_MEMORY,
+                 progress=None) -> pd.DataFrame:
+    """Downstream effect of patching only the path s -> r.T of each edge, everything after r run on it.
+
+    `edges`: rows with source, target, source_type ("O"), target_type ("Q"/"K"/"V"), e.g. selected rows of
+    pairs.parquet or of `local_effects`. Inputs, ablation, corrupted and seed as in `local_effects` (the same
+    arguments give the same counterfactuals). Returns those four columns, in the edges' order, with
+    effect_loss, effect_loss_lo, effect_loss_hi: decoder, patched minus clean next-token cross-entropy in nats
+    per predicted token (positive = the path helps the model); encoder, ||h' - h||_F / ||h||_F of the final
+    hidden states. An input's patched copies share forward passes (`max_memory` bytes each), each copy
+    joining at its target layer: the layers before it run once per pass, not once per edge.
+    """
+    check_counts(n_boot, batch_size)
+    sets = input_sets(inputs, "inputs")
+    alternatives = counterfactuals(sets, ablation, corrupted, seed)
+    net = network(model, sets[0].batch(0, 1))
+    parsed = _parse_edges(edges, net)
+    n = sum(len(s) for s in sets)
+    num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
+    advance = progress_advance(progress, "causal: loss effects", sets, batch_size, ablation == "mean")
+    order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
+    unembed = _plain_unembed(net, sets[0].batch(0, 1))
+    logits = _Logits(unembed) if unembed is not None else None
+    for batch in batches(net, sets, alternatives, batch_size, advance):
+        receivers, changes = {}, []
+        for e in order:
+            sender_layer, sender, layer, head, kind = parsed[e]
+            if layer not in receivers:
+                receivers[layer] = receiver_layer(net, batch, layer)
+            delta = sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
+            for between in range(sender_layer, layer):
+                delta = carry(net, batch, between, delta)
+            dx = input_change(net, batch, receivers[layer], layer, delta)
+            changes.append((layer, head, _head_change(net, receivers[layer], layer, dx, kind, head)))
+        for i in range(len(batch.real)):
+            one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
+            T = one.input_ids.shape[1]
+            step = _copies_per_pass(net, T, max_memory)
+            for first in range(0, len(changes), step):
+                out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
+                                                  for layer, head, dz in changes[first:first + step]], logits)
+                if net.causal:
+                    losses = _token_losses(out, one.input_ids[0]).sum(-1)
+                    change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
+                else:
+                    change = (out[1:] - out[:1]).pow(2).sum((1, 2))
+                    count = out[0].pow(2).sum().expand_as(change)
+                edges_here = order[first:first + len(change)]
+                num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
+                den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
+    effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.causal)
+    table = edges[KEY_COLUMNS].reset_index(drop=True).copy()
+    table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
+    return table[LOSS_COLUMNS]

@@ -1,0 +1,92 @@
+"""The causal stage of `headgraph analyze`: its inputs built first, the local effects of every OQ/OK/OV pair,
+the loss effects of the selected edges, and what the run record says of them."""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from headgraph.analysis.bootstrap import CONFIDENCE
+from headgraph.analysis.causal.inputs import causal_inputs, read_texts
+from headgraph.analysis.causal.local import local_effects
+from headgraph.analysis.causal.loss import loss_effects
+from headgraph.analysis.causal.network import KEY_COLUMNS
+from headgraph.analysis.options import CausalOptions
+from headgraph.analysis.prompts import TokenInputs
+from headgraph.heads import COMPOSITION_TYPES
+
+DEFINITIONS = {
+    "local_QK": "mean over inputs and query positions (real queries seeing more than one key) of the total-"
+                "variation distance 1/2 sum_k |A_r - A'_r| between r's clean and patched attention rows",
+    "local_V": "||out_r' - out_r||_F / ||out_r||_F over the real tokens of all inputs",
+    "loss_decoder": "patched minus clean next-token cross-entropy, nats per predicted token "
+                    "(positive = the path helps the model)",
+    "loss_encoder": "||h' - h||_F / ||h||_F of the final hidden states over the real tokens",
+    "patch": "only r's Q/K/V input sees out_s(x') - out_s(x); the LayerNorm in front of r is recomputed; "
+             "post-LN models carry the change through the LayerNorms up to r, attention and MLP outputs clean",
+    "interval": f"{CONFIDENCE:.0%} percentile bootstrap over inputs; a loss effect's per-input numerator is "
+                "the patched minus clean loss on the same input, so the resampling is paired",
+}
+
+
+def with_effects(pairs: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
+    """`pairs` with the effect columns of `effects` (rows of `local_effects` or `loss_effects`) joined on the
+    pair key, NaN for the pairs they do not cover; earlier columns of the same names are replaced."""
+    columns = [c for c in effects.columns if c not in KEY_COLUMNS]
+    return pairs.drop(columns=[c for c in columns if c in pairs.columns]).merge(
+        effects, on=KEY_COLUMNS, how="left", validate="many_to_one")
+
+
+@dataclass(frozen=True)
+
+
+class CausalStage:
+    """The causal stage of `headgraph analyze` on one LoadedModel: its inputs are built first (a bad inputs
+    file fails before any PK work), then `local` adds the local effects of every OQ/OK/OV pair to the pairs
+    table and `loss` the downstream effects of the selected edges."""
+
+    model: Any
+    options: CausalOptions
+    inputs: tuple[TokenInputs, ...]
+    source: str
+
+    @classmethod
+    def prepare(cls, model, options: CausalOptions, seed: int) -> "CausalStage":
+        texts = read_texts(options.inputs_file) if options.inputs_file else None
+        source = "generated" if texts is None else f"the texts of {options.inputs_file}"
+        return cls(model, options, causal_inputs(model, options.n_inputs, seed, texts), source)
+
+    def local(self, pairs: pd.DataFrame, types: Sequence[str], seed: int, progress=None
+              ) -> tuple[pd.DataFrame, dict[str, Any]]:
+        """(pairs with effect / effect_lo / effect_hi, the run record's `causal` entry); raises CausalUnsupported
+        for a model whose attention cannot be recomputed."""
+        kinds = [t for t in types if t in COMPOSITION_TYPES]
+        if not kinds:
+            return pairs, {"skipped": f"no {'/'.join(COMPOSITION_TYPES)} type was computed"}
+        start = time.perf_counter()
+        o = self.options
+        local = local_effects(self.model, self.inputs, kinds, o.ablation, n_boot=o.n_boot, seed=seed,
+                              batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
+        record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
+                  "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs) for s in self.inputs} if o.loss else {},
+                  "definitions": DEFINITIONS,
+                  "timings_s": {"local": round(time.perf_counter() - start, 4)}}
+        return with_effects(pairs, local), record
+
+    def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
+             ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
+        """(pairs and edges with effect_loss / _lo / _hi, seconds taken) for the edges that have a local
+        effect, at most `loss_edges` per type, largest local effect first, on the first `loss_inputs` inputs of
+        each set."""
+        start = time.perf_counter()
+        o = self.options
+        chosen = edges[edges["effect"].notna()].sort_values("effect", ascending=False, kind="stable")
+        if o.loss_edges is not None:
+            chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
+        inputs = tuple(s.batch(0, min(len(s), o.loss_inputs)) for s in self.inputs)
+        loss = loss_effects(self.model, inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
+                            batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
+        return with_effects(pairs, loss), with_effects(edges, loss), round(time.perf_counter() - start, 4)
