@@ -120,14 +120,16 @@ def _hub_reachable() -> bool:
     return True
 
 
-def _hub_snapshot(name: str) -> Path:
-    """A local snapshot folder of hub repo `name`: from the cache, else downloaded when the hub answers."""
+def _hub_snapshot(name: str, revision: str | None = None) -> Path:
+    """A local snapshot folder of hub repo `name` at `revision` (None: the default branch): from the cache, else
+    downloaded when the hub answers."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     cache = constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache, local_files_only=True))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=_HUB_FILES, cache_dir=cache,
+                                      local_files_only=True))
     except HFValidationError:
         raise unavailable(name) from None
     except Exception:  # noqa: BLE001 - any cache miss means: try the hub, if reachable
@@ -135,7 +137,7 @@ def _hub_snapshot(name: str) -> Path:
     if not _hub_reachable():
         raise unavailable(name)
     try:  # a download is long work: let the hub show its progress bars
-        return Path(snapshot_download(name, allow_patterns=_HUB_FILES, cache_dir=cache))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=_HUB_FILES, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - network, auth or missing repo: one line to the user
         raise ModelUnavailable(f"model '{name}' could not be fetched from the hub: {type(e).__name__}") from None
 
