@@ -1,4 +1,5 @@
-"""Head roles: sieve bias scores from their definition, sieves, t-tests, pattern capture, planted and real models."""
+"""Head roles: sieve bias scores from their definition, sieves, t-tests, the sequential test's error rate by
+simulation, pattern capture, planted and real models."""
 
 import json
 
@@ -193,6 +194,95 @@ def test_unknown_correction():
         R.ttest_scores(np.ones((3, 2)), correction="holm")
 
 
+# ---------- the sequential test -------------------------------------------------------------------------------
+
+TAU, ALPHA = 3.0, 0.05
+NULLS = {  # scores >= 0 whose mean is exactly tau
+    "exponential": lambda rng, size: rng.exponential(TAU, size),
+    "rare large": lambda rng, size: np.where(rng.random(size) < 0.1, 10 * TAU, 0.0),
+    "uniform": lambda rng, size: rng.uniform(0, 2 * TAU, size),
+}
+
+
+def run_sequential(draw, n_heads, rng, correction="none", n_inputs=200, batch=8):
+    """The sequential design as compute_roles drives it: a batch, a look, until every head settled or n_inputs."""
+    test = R.SequentialTest(n_heads, TAU, ALPHA, correction, first_look=batch)
+    used = 0
+    while used < n_inputs and not test.settled:
+        size = min(batch, n_inputs - used)
+        test.add(draw(rng, (size, n_heads)))
+        used += size
+    return test, used
+
+
+def binomial_ceiling(rate, trials):
+    """rate plus 4 binomial standard errors: what a false-rejection count may reach when the true rate is <= rate."""
+    return rate + 4 * np.sqrt(rate * (1 - rate) / trials)
+
+
+@pytest.mark.parametrize("null", NULLS)
+def test_sequential_false_rejections_stay_below_alpha_on_null_heads(null):
+    """20000 independent heads whose scores have mean tau, a look after every 8 inputs up to 200, no correction:
+    at most alpha of them may be flagged (within the binomial margin), however the scores are spread."""
+    n_heads = 20000
+    test, _ = run_sequential(NULLS[null], n_heads, np.random.default_rng(5))
+    _, p, sig = test.result()
+    assert sig.mean() <= binomial_ceiling(ALPHA, n_heads)
+    assert np.array_equal(sig, p <= ALPHA)
+
+
+def test_the_same_simulation_flags_t_tests_repeated_at_every_look():
+    """The harness can fail: a one-sided t-test after every batch, stopping at the first p < alpha, rejects
+    far more than alpha of the same null heads."""
+    rng, n_heads, batch = np.random.default_rng(6), 4000, 8
+    scores = NULLS["uniform"](rng, (200, n_heads))
+    looks = np.arange(batch, 201, batch)
+    p = np.stack([stats.ttest_1samp(scores[:n], TAU, axis=0, alternative="greater").pvalue for n in looks])
+    assert (p < ALPHA).any(axis=0).mean() > binomial_ceiling(ALPHA, n_heads)
+
+
+def test_sequential_bh_keeps_the_false_discovery_rate_below_alpha_under_dependence():
+    """Families of 20 heads that share each input's scale (positively dependent scores), 5 with a role: the
+    mean share of false discoveries among the discoveries stays at most alpha, and a head settled significant
+    at a look is significant in the end."""
+    rng, families, n_heads, with_role = np.random.default_rng(7), 300, 20, 5
+    shift = np.r_[np.full(with_role, 1.5), np.zeros(n_heads - with_role)]
+
+    def draw(rng, size):
+        return rng.gamma(2.0, 0.5, (size[0], 1)) * rng.exponential(TAU, size) + shift
+
+    false_shares, found = [], []
+    for _ in range(families):
+        test, _ = run_sequential(draw, n_heads, rng, correction="bh", batch=16)
+        _, _, sig = test.result()
+        assert sig[test.state == R.SIGNIFICANT].all()
+        false_shares.append(sig[with_role:].sum() / max(sig.sum(), 1))
+        found.append(sig[:with_role].mean())
+    assert np.mean(false_shares) <= binomial_ceiling(ALPHA, families)
+    assert np.mean(found) > 0.5  # and it finds most heads with a role
+
+
+def test_sequential_heads_settle_early_when_the_evidence_is_clear():
+    """Heads well above tau are flagged, heads well below settle at the first look allowed, with fewer inputs
+    than n_inputs; a head right at tau stays open."""
+    rng = np.random.default_rng(8)
+    means = np.r_[np.full(50, TAU + 2.0), np.full(50, 1.0)]
+    test, used = run_sequential(lambda rng, size: rng.normal(means, 1.0, size), 100, rng)
+    _, _, sig = test.result()
+    assert sig[:50].all() and not sig[50:].any()
+    assert used < 200 and (test.state[50:] == R.BELOW_TAU).all()
+    assert (test.seen[50:] == R.FUTILITY_MIN_INPUTS).all()
+    flat, _ = run_sequential(lambda rng, size: np.full(size, TAU), 3, rng)
+    assert flat.counts() == {"significant": 0, "below_tau": 0, "open": 3}
+
+
+def test_sequential_skips_inputs_without_a_scored_query():
+    test = R.SequentialTest(2, TAU, ALPHA, "none", first_look=4)
+    test.add(np.array([[np.nan, 10.0], [np.nan, 10.0]]))
+    mean, p, _ = test.result()
+    assert np.isnan(mean[0]) and p[0] == 1.0 and mean[1] == 10.0 and test.count.tolist() == [0, 2]
+
+
 # ---------- models --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -214,7 +304,7 @@ def minilm():
 
 def test_planted_heads_get_exactly_their_roles(planted):
     model, truth, _ = planted
-    heads, meta = R.compute_roles(model, n_inputs=20, seed=0)
+    heads, meta = R.compute_roles(model, n_inputs=20, seed=0, design="fixed")
     sig = {role: set(heads.loc[heads[f"{role}_sig"], "head"]) for role in meta["roles"]}
     assert sig == {"identity": set(truth.identity_heads), "previous_token": set(truth.previous_token_heads),
                    "bos": set(), "duplicate_token": set(), "induction": set()}
@@ -223,6 +313,23 @@ def test_planted_heads_get_exactly_their_roles(planted):
     assert (by_head.loc[list(truth.previous_token_heads), "previous_token_p"] < 0.01).all()
     assert (by_head.loc[list(truth.identity_heads), "identity_score"] > 0.9).all()
     assert meta["correction"] == "bh" and "bh" in meta["test"]
+
+
+def test_sequential_design_recovers_the_planted_roles_on_fewer_inputs(planted):
+    """The sequential design flags exactly the planted heads, as the fixed design does on all its inputs, and
+    stops every input set before n_inputs."""
+    model, truth, _ = planted
+    expected = {"identity": set(truth.identity_heads), "previous_token": set(truth.previous_token_heads),
+                "bos": set(), "duplicate_token": set(), "induction": set()}
+    found = {}
+    for design in ("fixed", "sequential"):
+        heads, meta = R.compute_roles(model, n_inputs=96, seed=0, batch_size=16, design=design)
+        found[design] = {role: set(heads.loc[heads[f"{role}_sig"], "head"]) for role in meta["roles"]}
+        found[design, "n"] = {name: x["n"] for name, x in meta["inputs"].items()}
+    assert found["fixed"] == found["sequential"] == expected
+    assert found["fixed", "n"] == {"ioi": 96, "repeated_tokens": 96}
+    assert all(n < 96 for n in found["sequential", "n"].values())
+    assert meta["design"] == "sequential" and meta["settled"]["identity"]["significant"] == 2
 
 
 def test_random_init_model_gets_roles_for_at_most_5_percent_of_heads(random_model):
@@ -278,7 +385,7 @@ def test_bert_patterns_from_the_bridge_equal_eager_transformers(minilm):
 
 
 def test_minilm_encoder_roles(minilm):
-    heads, meta = R.compute_roles(minilm, n_inputs=12, seed=0)
+    heads, meta = R.compute_roles(minilm, n_inputs=12, seed=0, design="fixed")
     assert meta["model_kind"] == "encoder" and len(heads) == 72
     for role in ("local", "delimiter", "cls", "sep", "block", "block_entropy", "syntactic_nsubj", "syntactic"):
         assert heads[f"{role}_p"].between(0, 1).all() and heads[f"{role}_sig"].dtype == bool
@@ -307,17 +414,25 @@ def test_compute_roles_rejects_bad_parameters(random_model):
         R.compute_roles(random_model, n_inputs=4, correction="holm")
     with pytest.raises(UsageError, match="at least 2"):
         R.compute_roles(random_model, n_inputs=1)
+    with pytest.raises(UsageError, match="design"):
+        R.compute_roles(random_model, n_inputs=4, design="adaptive")
+    with pytest.raises(UsageError, match="--design fixed"):
+        R.compute_roles(random_model, n_inputs=4, tau=0.0)
 
 
-def test_roles_command_prints_and_writes(planted, tmp_path, capsys):
+@pytest.mark.parametrize("design", ["sequential", "fixed"])
+def test_roles_command_prints_and_writes(planted, tmp_path, capsys, design):
     _, truth, folder = planted
-    main(["roles", str(folder), "--n-inputs", "10", "--out", str(tmp_path), "--identity-map"])
+    main(["roles", str(folder), "--n-inputs", "40", "--design", design, "--out", str(tmp_path), "--identity-map"])
     out = capsys.readouterr().out
     assert "previous_token" in out and "identity score" in out
     heads = pd.read_parquet(tmp_path / "roles.parquet")
     assert set(heads.loc[heads["identity_sig"], "head"]) == set(truth.identity_heads)
     meta = json.loads((tmp_path / "roles.json").read_text())
-    assert meta["inputs"]["ioi"]["n"] == 10 and meta["correction"] == "bh"
+    assert meta["design"] == design and meta["correction"] == "bh"
+    used = meta["inputs"]["ioi"]["n"]
+    assert used == 40 if design == "fixed" else used < 40
+    assert f"ioi {used} of 40" in " ".join(out.split())
 
 
 def test_roles_command_unknown_model(capsys):
@@ -329,6 +444,7 @@ def test_roles_command_unknown_model(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--device", "foo"], "'foo' is not one of 'cpu', 'cuda'"),
     (["--alpha", "2"], "not in the range 0<x<1"),
+    (["--design", "adaptive"], "'adaptive' is not one of 'sequential', 'fixed'"),
 ])
 def test_roles_command_bad_options_exit_2(planted, capsys, args, message):
     _, _, folder = planted

@@ -4,6 +4,7 @@ read them here (a light module: no torch, so `headgraph --help` stays fast)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -14,6 +15,8 @@ DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 CORRECTIONS = ("none", "bh", "bonferroni")
+RoleDesign = Literal["sequential", "fixed"]
+ROLE_DESIGNS = get_args(RoleDesign)
 STABILITY_VARIANTS = {
     "float64": "subspaces, PK, reference and null in float64 instead of float32 (roles and effects stay float32)",
     "rank_tol_x10": "rank tolerance x10 (more singular directions dropped)",
@@ -48,19 +51,27 @@ class PKOptions:
 class RoleOptions:
     """The role tests' settings, defaults declared once (the CLI and headgraph.workflow read them here)."""
 
-    n_inputs: int = 200  # generated inputs per input set
-    tau: float = 3.0  # sieve-bias threshold of the one-sided t-test (uniform attention scores 1)
+    n_inputs: int = 200  # generated inputs per input set (sequential: at most)
+    tau: float = 3.0  # sieve-bias threshold of the one-sided test (uniform attention scores 1)
     alpha: float = 0.05  # significance level of the decision
     correction: str = "bh"  # multiple-testing correction across heads: none, bh, bonferroni
-    batch_size: int = 32
+    batch_size: int = 32  # inputs per forward pass; the sequential design looks after each batch
+    design: RoleDesign = "sequential"  # sequential: stop once every head is settled; fixed: t-test on n_inputs
 
     def __post_init__(self):
         if self.n_inputs < 2:
             raise UsageError(f"role tests need at least 2 inputs per input set, got n_inputs={self.n_inputs}")
         if self.correction not in CORRECTIONS:
             raise UsageError(f"unknown correction {self.correction!r}: use one of {', '.join(CORRECTIONS)}")
+        if self.design not in ROLE_DESIGNS:
+            raise UsageError(f"unknown role design {self.design!r}: use one of {', '.join(ROLE_DESIGNS)}")
         if not np.isfinite(self.tau):
             raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {self.tau}")
+        if self.design == "sequential" and self.tau <= 0:
+            raise UsageError(f"the sequential role test bets against --tau > 0 (scores are >= 0), got {self.tau}; "
+                             "use --design fixed")
+        if self.batch_size < 1:
+            raise UsageError(f"batch_size must be at least 1, got {self.batch_size}")
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,47 @@ Sieve bias score of one head on one input, for query i with sieve S(i) (the keys
 where N_i is the number of keys query i can see (real tokens; for causal models only j <= i), so that uniform
 attention over the visible keys scores 1, no attention on the sieve 0 and all of it N_i / |S(i)|. A query is
 scored when its sieve is neither empty nor all its visible keys (there the score is 1 whatever the head does,
-e.g. the BOS query of a causal model). The sentence score is the mean over scored queries. Per head and role,
-a one-sided one-sample t-test over inputs of H0 mean <= tau against H1 mean > tau gives a p-value; the decision
-is taken at alpha after the chosen correction across heads (none, bh = Benjamini-Hochberg, bonferroni).
+e.g. the BOS query of a causal model). The sentence score is the mean over scored queries. Per head and role
+the test is of H0 mean <= tau against H1 mean > tau, decided at alpha after the chosen correction across heads
+(none, bh = Benjamini-Hochberg, bonferroni), in one of two designs (RoleOptions.design):
 
-Columns of the heads table: head, layer, index; per role `<role>_score` (mean sieve bias over inputs),
-`<role>_p` (uncorrected one-sided p-value), `<role>_sig` (decision after the correction). The identity role is
-the exception: `identity_score` is the PK paper's identity-head score (mean attention of a query on itself over
-IOI prompts with BOS, the BOS query excluded) and its mean sieve bias is `identity_bias`.
+fixed: a one-sided one-sample t-test over all n_inputs inputs of each set (the paper's test).
+
+sequential (the default): inputs are scored batch by batch in the order drawn, and a head stops needing inputs
+once its decision is settled; an input set stops when every head of every role on it is settled, else at
+n_inputs. The test is by betting (Shafer 2021; Waudby-Smith & Ramdas, JRSS-B 2023): each head's wealth
+K_t = prod_i (1 + lambda_i (s_i - tau)), with the bet lambda_i in [0, 1/(2 tau)] chosen from the scores before
+input i only (aGRAPA: (mean - tau) / (var + (mean - tau)^2) of the earlier scores, shrunk to tau by one pseudo
+input). The generated inputs are independent draws, fed in the order drawn (not sorted by length), and sieve
+bias scores are never negative, so under H0 every factor has mean <= 1 given everything before it, and K is a
+nonnegative supermartingale: P(K_t >= 1/alpha at any t) <= alpha (Ville's inequality), whatever the score
+distribution and however often one looks, and K at any stopping time (one that reads every head's scores
+included) is an e-value. `<role>_p` is min(1, 1/K) at the head's last input. The correction acts on these as
+on p-values: bh is then e-BH (Wang & Ramdas, JRSS-B 2022), which bounds the false discovery rate by alpha under
+any dependence between heads (all heads see the same inputs); bonferroni needs K >= m/alpha. A head is settled
+significant once the correction rejects it at the current look, and frozen there: the frozen e-values alone
+make the final correction reject it again, whatever the heads still open do. A head is settled below tau once
+the one-sided upper confidence sequence of its mean (the normal-mixture boundary of Howard et al., Ann.
+Statist. 2021, eq. 14, with the plug-in standard deviation of its scores, from FUTILITY_MIN_INPUTS scored
+inputs on) lies below tau; it is frozen too. That boundary is only asymptotically valid (scores mostly near 0
+with rare large values can look settled too early), and an error of it can only cost power (a head with a role
+stopped too early), never a false role: the rejections rest on the e-values alone. Why not a group-sequential
+t-test with alpha spending: it needs normal scores and a schedule of looks fixed in advance, and BH on its
+p-values needs a dependence condition across heads that shared inputs do not promise.
+
+What a stopped decision does not mean: settled below tau says the confidence sequence left out a mean above
+tau on these inputs (asymptotically, at alpha), not that the head never does the role; settled significant says
+the mean exceeds tau, not by how much, and its `<role>_score` is the mean over the (possibly few) inputs that
+head used. The sequential p-values are larger than the t-test's on the same scores (the price of looking after
+every batch), so a head just above tau may be flagged by the fixed design and left open at n_inputs, hence not
+significant, by the sequential one (all-MiniLM-L6-v2, 200 inputs: 165 of the fixed design's 172 role decisions,
+no other).
+
+Columns of the heads table: head, layer, index; per role `<role>_score` (mean sieve bias over the inputs the
+head's test used), `<role>_p` (uncorrected one-sided p-value), `<role>_sig` (decision after the correction). The
+identity role is the exception: `identity_score` is the PK paper's identity-head score (mean attention of a query
+on itself over the IOI prompts the set used, with BOS, the BOS query excluded) and its mean sieve bias is
+`identity_bias`.
 """
 
 import warnings
@@ -27,7 +60,7 @@ import torch
 from scipy import stats
 
 from headgraph.analysis.artifacts import head_index, role_names
-from headgraph.analysis.patterns import iter_patterns
+from headgraph.analysis.patterns import capture_patterns, iter_patterns
 from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
     sentence_pair_inputs,
@@ -38,6 +71,9 @@ from headgraph.errors import ModelUnavailable, UsageError
 
 LOCAL_WINDOW = 2
 REPEAT_LENGTH = 20
+BET_CAP = 0.5  # a bet stakes at most half the wealth on one input: lambda <= BET_CAP / tau
+FUTILITY_MIN_INPUTS = 32  # scored inputs before the upper confidence sequence (plug-in sd) may settle a head
+OPEN, SIGNIFICANT, BELOW_TAU = 0, 1, -1  # SequentialTest.state
 
 Sieve = Callable[[TokenInputs, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -188,6 +224,91 @@ def ttest_scores(scores: np.ndarray, tau: float = 3.0, alpha: float = 0.05, corr
     return mean, p, adjust_pvalues(p, correction) < alpha
 
 
+def normal_mixture_rho(alpha: float, v: float) -> float:
+    """The mixture precision rho that makes the normal-mixture boundary tightest at intrinsic time v."""
+    rho = np.geomspace(v / 1000, v * 1000, 2001)
+    return float(rho[np.argmin(normal_mixture_boundary(v, alpha, rho))])
+
+
+def normal_mixture_boundary(v, alpha: float, rho):
+    """One-sided normal-mixture boundary u(v) = sqrt(2 (v + rho) log(sqrt((v + rho) / rho) / (2 alpha) + 1))
+    (Howard et al. 2021, eq. 14): P(S_t >= u(V_t) for some t) <= alpha for a 1-sub-Gaussian sum S_t of
+    variance process V_t; here V_t is the count of standardised scores."""
+    v = np.asarray(v, dtype=float)
+    return np.sqrt(2 * (v + rho) * np.log(np.sqrt((v + rho) / rho) / (2 * alpha) + 1))
+
+
+class SequentialTest:
+    """The sequential design's state for one role over m heads (see the module docstring): feed score batches
+    [inputs, m] in the order the inputs were drawn with `add`; NaN scores (no scored query) are no input.
+
+    Heads settle after each batch and are frozen there (their later scores are ignored); `settled` says when
+    all are. `result` gives (mean, p, significant) per head, `seen` the inputs each head's test used.
+    """
+
+    def __init__(self, n_heads: int, tau: float = 3.0, alpha: float = 0.05, correction: str = "bh",
+                 first_look: int = 32):
+        self.tau, self.alpha, self.correction = tau, alpha, correction
+        self.rho = normal_mixture_rho(alpha, max(first_look, FUTILITY_MIN_INPUTS))
+        self.count = np.zeros(n_heads)  # scored inputs
+        self.total = np.zeros(n_heads)  # sum of scores
+        self.squares = np.zeros(n_heads)  # sum of squared scores
+        self.log_wealth = np.zeros(n_heads)
+        self.state = np.full(n_heads, OPEN, dtype=np.int8)
+        self.seen = np.zeros(n_heads, dtype=np.int64)
+
+    @property
+    def settled(self) -> bool:
+        return bool((self.state != OPEN).all())
+
+    def add(self, scores: np.ndarray) -> None:
+        """One batch of scores [inputs, m]: every open head bets on each input in turn, then the heads settle."""
+        tau, live = self.tau, self.state == OPEN
+        x = scores[:, live]
+        valid = ~np.isnan(x)
+        x = np.where(valid, x, 0.0)
+        count = self.count[live] + np.cumsum(valid, 0)  # up to and including each input
+        total = self.total[live] + np.cumsum(x, 0)
+        squares = self.squares[live] + np.cumsum(x * x, 0)
+        before = count - valid, total - x, squares - x * x  # what the bet on each input may know
+        mean = (tau + before[1]) / (before[0] + 1)  # shrunk to tau by one pseudo input of variance tau^2
+        spread = np.maximum(before[2] - before[1] ** 2 / np.maximum(before[0], 1), 0)
+        var = (tau * tau + spread) / (before[0] + 1)
+        bet = np.clip((mean - tau) / (var + (mean - tau) ** 2), 0, BET_CAP / tau)
+        self.log_wealth[live] += np.where(valid, np.log1p(bet * (x - tau)), 0).sum(0)
+        self.count[live], self.total[live], self.squares[live] = count[-1], total[-1], squares[-1]
+        self.seen[live] += len(scores)
+        self._settle(live)
+
+    def p_values(self) -> np.ndarray:
+        """min(1, 1/K): anytime-valid one-sided p-values of the heads' current (or frozen) wealth."""
+        return np.minimum(1.0, np.exp(-self.log_wealth))
+
+    def _settle(self, live: np.ndarray) -> None:
+        rejected = adjust_pvalues(self.p_values(), self.correction) <= self.alpha
+        n = self.count
+        with np.errstate(invalid="ignore", divide="ignore"):  # heads with fewer than 2 scores: NaN, not below
+            mean = self.total / n
+            sd = np.sqrt(np.maximum(self.squares - self.total * mean, 0) / (n - 1))
+            upper = mean + sd * normal_mixture_boundary(n, self.alpha, self.rho) / n
+        below = (n >= FUTILITY_MIN_INPUTS) & (upper < self.tau)
+        self.state[live & rejected] = SIGNIFICANT
+        self.state[live & ~rejected & below] = BELOW_TAU
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(mean score, p, significant after the correction at alpha) per head; a head without any scored
+        input has mean NaN and p = 1."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = self.total / self.count
+        p = self.p_values()
+        return mean, p, adjust_pvalues(p, self.correction) <= self.alpha
+
+    def counts(self) -> dict[str, int]:
+        """How the heads ended: settled significant, settled below tau, or open at the last input."""
+        return {name: int((self.state == state).sum())
+                for name, state in (("significant", SIGNIFICANT), ("below_tau", BELOW_TAU), ("open", OPEN))}
+
+
 def input_set_names(decoder: bool) -> list[str]:
     """The generated input sets the role tests of a decoder (or an encoder) run on, in order."""
     return list(dict.fromkeys(role.inputs for role in (DECODER_ROLES if decoder else ENCODER_ROLES)))
@@ -203,21 +324,47 @@ def input_set(model, name: str, n: int, seed: int) -> TokenInputs:
     return sentence_pair_inputs(model.tokenizer, n, seed)
 
 
-def _scores_on(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool, batch_size: int,
-               advance: Callable[[], None]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Per role, scores [inputs, layer*head]; and self-attention [inputs, layer*head] on the same inputs."""
-    parts = {role.name: [] for role in roles}
-    selfatt = []
-    for batch, patterns in iter_patterns(model.bridge, inputs.by_length(), batch_size):  # the scores' order is free
-        patterns = patterns.float()
-        visible = visible_keys(batch, causal)
-        for role in roles:
-            s = sieve_scores(patterns, role_sieve(role, batch, visible), visible, role.entropy_weighted)
-            parts[role.name].append(s.flatten(1).cpu())
-        selfatt.append(self_attention(patterns, visible).flatten(1).cpu())
+def _batch_scores(roles: tuple[Role, ...], batch: TokenInputs, patterns: torch.Tensor, causal: bool
+                  ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per role, the batch's scores [inputs, layer*head]; and its self-attention [inputs, layer*head]."""
+    patterns = patterns.float()
+    visible = visible_keys(batch, causal)
+    scores = {role.name: sieve_scores(patterns, role_sieve(role, batch, visible), visible, role.entropy_weighted)
+              .flatten(1).cpu().double().numpy() for role in roles}
+    return scores, self_attention(patterns, visible).flatten(1).cpu().double().numpy()
+
+
+def _fixed_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool, options: RoleOptions,
+                 advance: Callable[[], None]) -> tuple[dict, np.ndarray, int, None]:
+    """The fixed design on one input set: every input scored, then a t-test per head and role."""
+    parts, selfatt = [], []
+    for batch, patterns in iter_patterns(model.bridge, inputs.by_length(), options.batch_size):  # order is free
+        scores, att = _batch_scores(roles, batch, patterns, causal)
+        parts.append(scores)
+        selfatt.append(att)
         advance()
-    return ({name: torch.cat(p).double().numpy() for name, p in parts.items()},
-            torch.cat(selfatt).double().numpy())
+    results = {role.name: ttest_scores(np.concatenate([part[role.name] for part in parts]), options.tau,
+                                       options.alpha, options.correction) for role in roles}
+    return results, np.concatenate(selfatt).mean(axis=0), len(inputs), None
+
+
+def _sequential_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool, options: RoleOptions,
+                      advance: Callable[[], None]) -> tuple[dict, np.ndarray, int, dict]:
+    """The sequential design on one input set: batches in the order drawn until every head is settled."""
+    heads = model.cfg["n_layers"] * model.cfg["n_heads"]
+    tests = {role.name: SequentialTest(heads, options.tau, options.alpha, options.correction, options.batch_size)
+             for role in roles}
+    selfatt, used = [], 0
+    while used < len(inputs) and not all(test.settled for test in tests.values()):
+        batch = inputs.batch(used, min(used + options.batch_size, len(inputs)))
+        scores, att = _batch_scores(roles, batch, capture_patterns(model.bridge, batch), causal)
+        for name, test in tests.items():
+            test.add(scores[name])
+        selfatt.append(att)
+        used += len(batch)
+        advance()
+    return ({name: test.result() for name, test in tests.items()}, np.concatenate(selfatt).mean(axis=0), used,
+            {name: test.counts() for name, test in tests.items()})
 
 
 def check_tokenizer(model) -> None:
@@ -231,56 +378,77 @@ def check_tokenizer(model) -> None:
 def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.DataFrame, dict]:
     """Roles of every head of a LoadedModel: the heads table (one row per head) and a meta dict.
 
-    `settings` are RoleOptions fields (n_inputs, tau, alpha, correction, batch_size). Decoder roles
+    `settings` are RoleOptions fields (n_inputs, tau, alpha, correction, batch_size, design). Decoder roles
     (model.cfg["is_decoder"]): identity, previous_token, bos on IOI prompts; duplicate_token, induction on
     repeated random tokens. Encoder roles on sentence pairs: identity, local, delimiter, cls, sep, block,
     block_entropy, syntactic_{nsubj,dobj,amod,advmod}, syntactic. `progress` is an optional
-    rich.progress.Progress that gets one task advanced per batch. A role flagged here is a statistical
-    statement about attention on generated inputs, not a claim about what the head does for the model's output.
+    rich.progress.Progress that gets one task advanced per batch. meta["inputs"][set]["n"] is the inputs each
+    set used (sequential: at most n_inputs), meta["settled"] (sequential) how each role's heads ended. A role
+    flagged here is a statistical statement about attention on generated inputs, not a claim about what the head
+    does for the model's output.
     """
     options = RoleOptions(**settings)
-    n_inputs, tau, alpha, correction, batch_size = (options.n_inputs, options.tau, options.alpha, options.correction,
-                                                    options.batch_size)
     check_tokenizer(model)
     causal = bool(model.cfg["is_decoder"])
     roles = DECODER_ROLES if causal else ENCODER_ROLES
-    inputs = {name: input_set(model, name, n_inputs, seed) for name in input_set_names(causal)}
+    inputs = {name: input_set(model, name, options.n_inputs, seed) for name in input_set_names(causal)}
+    batches = {name: -(-len(x) // options.batch_size) for name, x in inputs.items()}
     task = None
     if progress is not None:
-        task = progress.add_task("role patterns", total=sum(-(-len(x) // batch_size) for x in inputs.values()))
+        task = progress.add_task("role patterns", total=sum(batches.values()))
 
     def advance():
         if progress is not None:
             progress.advance(task)
 
-    scores, selfatt = {}, None
-    for name in inputs:
-        got, att = _scores_on(model, tuple(r for r in roles if r.inputs == name), inputs[name], causal,
-                              batch_size, advance)
-        scores.update(got)
+    tests = _sequential_tests if options.design == "sequential" else _fixed_tests
+    results, used, settled, selfatt = {}, {}, {}, None
+    for name, x in inputs.items():
+        got, att, used[name], counts = tests(model, tuple(r for r in roles if r.inputs == name), x, causal, options,
+                                             advance)
+        results.update(got)
+        settled.update(counts or {})
         if name == roles[0].inputs:
             selfatt = att
+        batches[name] = -(-used[name] // options.batch_size)
+        if progress is not None:
+            progress.update(task, total=sum(batches.values()))
     n_layers, n_heads = model.cfg["n_layers"], model.cfg["n_heads"]
-    table = {**head_index(n_layers, n_heads), "identity_score": selfatt.mean(axis=0)}
+    table = {**head_index(n_layers, n_heads), "identity_score": selfatt}
     for role in roles:
-        mean, p, sig = ttest_scores(scores[role.name], tau, alpha, correction)
+        mean, p, sig = results[role.name]
         table["identity_bias" if role.name == "identity" else f"{role.name}_score"] = mean
         table[f"{role.name}_p"] = p
         table[f"{role.name}_sig"] = sig
+    across = f"at alpha after correction '{options.correction}' across the {n_layers * n_heads} heads"
+    tests_text = {
+        "fixed": "one-sided one-sample t-test per head and role over inputs (scipy.stats.ttest_1samp, "
+                 "alternative='greater') of the sieve bias score against tau; <role>_p uncorrected, "
+                 f"<role>_sig {across}",
+        "sequential": f"sequential test by betting per head and role on batches of {options.batch_size} inputs in the "
+                      f"order drawn, until every head of a set is settled or {options.n_inputs} inputs: wealth "
+                      f"prod(1 + lambda (score - tau)), lambda in [0, {BET_CAP}/tau] from the earlier scores (aGRAPA); "
+                      "<role>_p = min(1, 1/wealth), anytime-valid, uncorrected; <role>_sig on these p-values "
+                      f"(bh: e-BH) {across}. A head settles once the correction rejects it, or once the one-sided "
+                      "normal-mixture upper confidence sequence of its mean (plug-in sd, from "
+                      f"{FUTILITY_MIN_INPUTS} scored inputs) is below tau; its score, p and decision are those "
+                      "of the inputs up to then; inputs.n is the inputs each set used",
+    }
     meta = {
         "model_kind": "decoder" if causal else "encoder",
         "roles": [role.name for role in roles],
         "role_inputs": {role.name: role.inputs for role in roles},
-        "inputs": {name: {"n": len(x), "seed": seed} for name, x in inputs.items()},
-        "n_inputs": n_inputs, "tau": tau, "alpha": alpha, "correction": correction,
-        "test": "one-sided one-sample t-test per head and role over inputs (scipy.stats.ttest_1samp, "
-                "alternative='greater') of the sieve bias score against tau; <role>_p uncorrected, "
-                f"<role>_sig at alpha after correction '{correction}' across the {n_layers * n_heads} heads",
+        "inputs": {name: {"n": used[name], "n_inputs": options.n_inputs, "seed": seed} for name in inputs},
+        "design": options.design, "n_inputs": options.n_inputs, "tau": options.tau, "alpha": options.alpha,
+        "correction": options.correction, "batch_size": options.batch_size,
+        "test": tests_text[options.design],
         "score": "b(i) = N_i * attention mass on the sieve / |sieve|, N_i = keys visible to query i; "
                  "mean over queries whose sieve is neither empty nor all visible keys",
-        "identity_score": f"mean attention of a query on itself over the {roles[0].inputs} inputs "
+        "identity_score": f"mean attention of a query on itself over the {roles[0].inputs} inputs the set used "
                           "(queries that see more than one key; the BOS query of a causal model excluded)",
     }
+    if settled:
+        meta["settled"] = settled
     if not causal:
         meta["block_variants"] = {"block": "plain sieve bias ratio",
                                   "block_entropy": "ratio times the attention row's entropy in nats "

@@ -18,8 +18,9 @@ def print_roles(model: str, heads, meta: dict, console: Console, identity_map: b
 
     counts = role_table(heads).T
     table = Table(title=f"{model}: heads per role and layer",
-                  caption=f"{meta['model_kind']}; t-test of sieve bias > {meta['tau']}, alpha={meta['alpha']}, "
-                          f"correction={meta['correction']}, {meta['n_inputs']} inputs per set")
+                  caption=f"{meta['model_kind']}; {meta['design']} test of sieve bias > {meta['tau']}, "
+                          f"alpha={meta['alpha']}, correction={meta['correction']}; inputs used: "
+                          + ", ".join(f"{name} {x['n']} of {meta['n_inputs']}" for name, x in meta["inputs"].items()))
     table.add_column("role")
     for layer in counts.columns:
         table.add_column(str(layer), justify="right")
