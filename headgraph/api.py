@@ -21,10 +21,8 @@ True
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import html
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,80 +31,13 @@ import pandas as pd
 
 from headgraph import runs
 from headgraph.analysis.artifacts import roles_of
-from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
 from headgraph.errors import UsageError
 from headgraph.heads import DEFAULT_TYPES
 from headgraph.loader.open_store import StoreSpec
-from headgraph.workflow import AnalyzeOptions
+from headgraph.settings import OPTIONS, analyze_options, store_spec
 
-_NEO4J_SCHEMES = ("bolt://", "bolt+s://", "bolt+ssc://", "neo4j://", "neo4j+s://", "neo4j+ssc://")
-
-
-def _names(cls, prefix: str = "", skip=()) -> dict[str, str]:
-    return {prefix + f.name: f.name for f in dataclasses.fields(cls) if f.name not in skip}
-
-
-_OPTION_GROUPS = {"pk": _names(PKOptions, skip=("types",)), "policy": _names(SelectionPolicy),
-                  "analyze": {"processing": "processing", "classes": "classes"},
-                  "roles": _names(RoleOptions, "roles_"), "causal": _names(CausalOptions, "causal_")}
-OPTIONS = tuple(name for group in _OPTION_GROUPS.values() for name in group)
-"""Every keyword `analyze(**options)` takes: the fields of PKOptions, SelectionPolicy, `processing`, `classes`,
-and the fields of RoleOptions / CausalOptions prefixed `roles_` / `causal_` (both have e.g. `n_inputs`)."""
-
-
-def store_spec(store) -> StoreSpec:
-    """A StoreSpec from what the API takes: a StoreSpec, True (the default store, as the CLI: HEADGRAPH_DB /
-    NEO4J_URI / ./headgraph.lbdb), a Neo4j URI ("bolt://..."), or the path of an embedded LadybugDB store."""
-    if isinstance(store, StoreSpec):
-        return store
-    if store is True:
-        return StoreSpec()
-    if isinstance(store, (str, os.PathLike)):
-        text = str(store)
-        return StoreSpec(neo4j=text) if text.startswith(_NEO4J_SCHEMES) else StoreSpec(db=text)
-    raise UsageError(f"store={store!r} is not a store: give True (the default store), a LadybugDB path, a Neo4j "
-                     "URI such as bolt://127.0.0.1:7687, or a headgraph.loader.open_store.StoreSpec")
-
-
-def _stage(given, cls, settings: dict, name: str):
-    """The options of a stage that may be off: True -> cls(**settings), an instance -> it with settings,
-    False -> None (then no settings may be given)."""
-    if given is False or given is None:
-        if settings:
-            raise UsageError(f"{', '.join(f'{name}_{k}' for k in settings)} given with {name}=False: drop one")
-        return None
-    if given is True:
-        return cls(**settings)
-    if isinstance(given, cls):
-        return dataclasses.replace(given, **settings)
-    raise UsageError(f"{name}={given!r}: give True, False or a {cls.__name__}")
-
-
-def analyze_options(*, types=DEFAULT_TYPES, roles=True, causal=True, store=None, out=None, report=False,
-                    **options) -> AnalyzeOptions:
-    """The AnalyzeOptions of an `analyze` call; an unknown option raises UsageError naming it and the choices.
-
-    >>> analyze_options(top_k=5, roles_n_inputs=20, causal=False).policy.top_k
-    5
-    >>> analyze_options(topk=5)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    headgraph.errors.UsageError: unknown option 'topk' (did you mean top_k?); analyze takes: full_matrix, ...
-    """
-    unknown = [name for name in options if name not in OPTIONS]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], OPTIONS, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise UsageError(f"unknown option {unknown[0]!r}{hint}; analyze takes: {', '.join(OPTIONS)}")
-    given = {group: {field_name: options[key] for key, field_name in names.items() if key in options}
-             for group, names in _OPTION_GROUPS.items()}
-    return AnalyzeOptions(
-        out_dir=None if out is None else str(out), pk=PKOptions(types=types, **given["pk"]),
-        roles=_stage(roles, RoleOptions, given["roles"], "roles"),
-        causal=_stage(causal, CausalOptions, given["causal"], "causal"),
-        policy=SelectionPolicy(**given["policy"]), store=None if store is None else store_spec(store), report=report,
-        **given["analyze"])
+__all__ = ["OPTIONS", "Run", "analyze", "load_run", "store_spec"]  # OPTIONS: every keyword analyze takes
 
 
 def _console(progress: bool):
@@ -137,7 +68,8 @@ def analyze(model, *, types=DEFAULT_TYPES, roles=True, causal=True, store=None, 
     runs/<run id> under the working directory, so that a stored run's id finds its folder later (a temporary
     folder would vanish under it). report: also render report.md / .html and the figures into it.
     progress: rich progress bars, in the terminal or in Jupyter. options: see OPTIONS, e.g. top_k=10,
-    device="cpu", seed=1, roles_n_inputs=50, causal_n_inputs=16, causal_loss=False.
+    device="cpu", seed=1, roles_n_inputs=50, causal_n_inputs=16, causal_loss=False (as the CLI's
+    --causal-loss-edges 0: both pass through headgraph.settings.analyze_options).
     """
     from headgraph.workflow import run_analyze
 

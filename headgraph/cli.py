@@ -1,6 +1,7 @@
 """The `headgraph` command line: one click group, each command a thin layer over the library."""
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -9,17 +10,16 @@ from collections.abc import Callable
 import click
 
 from headgraph._version import __version__
-from headgraph.analysis.options import CORRECTIONS, STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
+from headgraph.analysis.options import CORRECTIONS, STABILITY_VARIANTS
 from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
-from headgraph.heads import parse_types
 from headgraph.errors import HeadgraphError
 from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import DEFAULT_DB
+from headgraph import settings
 from headgraph.sweep import SweepOptions
-from headgraph.workflow import AnalyzeOptions
 
-ANALYZE = AnalyzeOptions()  # the defaults every option below shows
+ANALYZE = settings.AnalyzeOptions()  # the defaults every option below shows
 SWEEP = SweepOptions()
 PK, ROLES, CAUSAL = ANALYZE.pk, ANALYZE.roles, ANALYZE.causal
 
@@ -105,7 +105,8 @@ CLASSES_OPTION = click.option(
 
 def analyze_options(command: Callable) -> Callable:
     """The options of one analysis (everything of `headgraph analyze` but the model and --json), passed to the
-    command as one `options: AnalyzeOptions`; shared by analyze and sweep."""
+    command as one `options: AnalyzeOptions` made of their flat names by the one translator the Python API uses
+    too (headgraph.settings.analyze_options); shared by analyze and sweep."""
 
     @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
                   help="Run folder for run.json, pairs/heads.parquet, figures and report (default: runs/<run id>; "
@@ -149,15 +150,15 @@ def analyze_options(command: Callable) -> Callable:
     def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
                 reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
                 classes_name, policy, stability, no_store, no_report, store, **kwargs):
-        pk = PKOptions(types=parse_types(types), full_matrix=full_matrix, device=device, dtype=dtype, seed=seed,
-                       max_memory=max_memory, reference_samples=reference_samples, null_heads=null_heads)
-        options = AnalyzeOptions(
-            out_dir=out_dir, processing=processing, pk=pk,
-            roles=RoleOptions(n_inputs=n_inputs, correction=correction) if roles else None,
-            causal=CausalOptions(n_inputs=causal_n, inputs_file=causal_inputs, loss=causal_loss_edges > 0,
-                                 loss_edges=causal_loss_edges or None) if causal else None,
-            policy=policy, classes=classes_name, store=None if no_store else store, report=not no_report,
-            stability=stability)
+        role_settings = {"roles_n_inputs": n_inputs, "roles_correction": correction} if roles else {}
+        causal_settings = {"causal_n_inputs": causal_n, "causal_inputs_file": causal_inputs,
+                           "causal_loss_edges": causal_loss_edges} if causal else {}  # 0: no loss effects
+        options = settings.analyze_options(
+            types=types, roles=roles, causal=causal, store=None if no_store else store, out=out_dir,
+            report=not no_report, processing=processing, device=device, dtype=dtype, seed=seed,
+            max_memory=max_memory, full_matrix=full_matrix, null_heads=null_heads,
+            reference_samples=reference_samples, classes=classes_name, stability=stability,
+            **dataclasses.asdict(policy), **role_settings, **causal_settings)
         return command(*args, options=options, **kwargs)
 
     return wrapper
@@ -423,10 +424,11 @@ def stability_command(run_dir, variants, as_json):
 
     from headgraph.report.summary import print_stability
     from headgraph.runs import load_run
-    from headgraph.workflow import run_stability
+    from headgraph.stability import run_stability
+    from headgraph.workflow import run_analyze
 
     console = Console(stderr=True)
-    report = run_stability(load_run(run_dir), variants or tuple(STABILITY_VARIANTS), console=console,
+    report = run_stability(load_run(run_dir), run_analyze, variants or tuple(STABILITY_VARIANTS), console=console,
                            progress=console.is_terminal)
     show(report, as_json, print_stability)
 

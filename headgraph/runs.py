@@ -3,9 +3,9 @@
 A run folder holds run.json (a `RunRecord`), pairs.parquet (one row per computed pair) and heads.parquet (one
 row per head), and stability.json once `headgraph stability` has run on it. `RunRecord.to_json` /
 `RunRecord.from_json` are the only code that writes or reads run.json; NaN numbers are stored as null. Format
-versions: 3 is this one (it added `sweep` and `step`, null outside a sweep); 2 (which added `causal`), 1 and a
-run.json without `format_version` (written before versions existed, headgraph 0.1) have the same fields less the
-newer ones, so they are read as such; a newer version is refused with one line naming it.
+versions: 4 is this one (it added `full_matrix`, `stages` and `peak_rss`); 3 (which added `sweep` and `step`),
+2 (`causal`), 1 and a run.json without `format_version` (written before versions existed, headgraph 0.1) have the
+same fields less the newer ones, so they are read as such; a newer version is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -23,8 +23,8 @@ from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (0, 1, 2, FORMAT_VERSION)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (0, 1, 2, 3, FORMAT_VERSION)
 RUN_FILE = "run.json"
 PAIRS_FILE = "pairs.parquet"
 HEADS_FILE = "heads.parquet"
@@ -55,10 +55,28 @@ class Dims:
 
 
 @dataclass(frozen=True)
+class StageRun:
+    """One stage of an analysis as its runner measured it (headgraph.stages.run_stages): wall seconds, and the
+    peak resident memory of this process while it ran, in bytes. The peak counts everything resident, what
+    earlier stages left included, so it is not what the stage itself allocated; it counts neither GPU memory
+    nor other processes (the report's figure workers). How it was read is RunRecord.peak_rss."""
+
+    seconds: float
+    peak_rss_bytes: int
+
+
+PeakRss = Literal["vmhwm", "ru_maxrss"]
+"""vmhwm: VmHWM of /proc/self/status, reset to the current RSS when each stage starts (/proc/self/clear_refs),
+so the stage's own peak; ru_maxrss (where clear_refs cannot be written): the process's peak since it started,
+so only an upper bound of a later stage's peak."""
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """Everything run.json says about one analysis. `id`, `out_dir` and `selection` are set once the run has
     a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed, `causal` the
-    causal stage's; `sweep` and `step` tag a run of a sweep (headgraph.sweep)."""
+    causal stage's; `sweep` and `step` tag a run of a sweep (headgraph.sweep); `stages` and `peak_rss` say what
+    each stage of the analyze cost."""
 
     model: ModelInfo
     dims: Dims
@@ -97,6 +115,12 @@ class RunRecord:
     """The id of the `headgraph sweep` this run belongs to (None: a run of its own)."""
     step: int | None = None
     """The checkpoint's training step within its sweep (None: outside a sweep, or a model without a step)."""
+    full_matrix: bool = False
+    """Whether same-layer and backward pairs were computed too (the setting `pairs` says in words)."""
+    stages: dict[str, StageRun] = field(default_factory=dict)
+    """The analyze stages that ran before the run folder was written, in order (empty: PK computed alone)."""
+    peak_rss: PeakRss | None = None
+    """How the stages' peak_rss_bytes were read (see PeakRss; None: no stages recorded)."""
     format_version: int = FORMAT_VERSION
 
     @property
@@ -108,7 +132,8 @@ class RunRecord:
         """The run.json object (strict JSON: NaN and infinities become null)."""
         data = {_JSON_NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
         data.update(model=dataclasses.asdict(self.model), dims=dataclasses.asdict(self.dims),
-                    types=list(self.types), processing_warnings=list(self.processing_warnings))
+                    types=list(self.types), processing_warnings=list(self.processing_warnings),
+                    stages={name: dataclasses.asdict(stage) for name, stage in self.stages.items()})
         return json_safe(data)
 
     @classmethod
@@ -125,16 +150,21 @@ class RunRecord:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise UsageError(f"{origin} has unknown fields {', '.join(unknown)}; rerun `headgraph analyze`")
-        required = [key for key, name in names.items()
-                    if cls.__dataclass_fields__[name].default is dataclasses.MISSING and key not in data]
+        required = [key for key, name in names.items() if key not in data
+                    and cls.__dataclass_fields__[name].default is dataclasses.MISSING
+                    and cls.__dataclass_fields__[name].default_factory is dataclasses.MISSING]
         if required:
             raise UsageError(f"{origin} lacks the fields {', '.join(required)}; rerun `headgraph analyze`")
         values = {names[key]: value for key, value in data.items()} | {"format_version": FORMAT_VERSION}
+        if version < 4:  # before `full_matrix` was recorded, the words of `pairs` were all that said it
+            values["full_matrix"] = str(values["pairs"]).startswith("full matrix")
         try:
             values.update(model=ModelInfo(**values["model"]), dims=Dims(**values["dims"]),
-                          types=tuple(values["types"]), processing_warnings=tuple(values.get("processing_warnings", ())))
+                          types=tuple(values["types"]),
+                          processing_warnings=tuple(values.get("processing_warnings", ())),
+                          stages={name: StageRun(**stage) for name, stage in values.get("stages", {}).items()})
             return cls(**values)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise UsageError(f"{origin} is not a headgraph run record ({e}); rerun `headgraph analyze`") from None
 
     @property

@@ -1,55 +1,41 @@
-"""The whole `headgraph analyze` flow, one step after another:
-load -> subspaces / PK / references / significance / CS -> roles -> local causal effects -> graph selection
-and centrality -> loss effects of the selected edges -> artifacts -> (stability) -> report -> store. Each step
-is a library call; this module only orders them and records where the results went. The store comes last so that a run marked complete there is never followed by a failure."""
+"""The whole `headgraph analyze`: STAGES, one ordered list of stages over the run's one Context (the protocol of
+headgraph.stages: each stage a function `def stage(ctx: Context) -> None`, timed and its peak memory read by
+`run_stages`): load -> causal inputs -> PK, references, significance, CS (headgraph.pipeline.PK_STAGES) -> roles
+-> local causal effects -> selection and centrality -> loss effects of the selected edges -> artifacts ->
+(stability) -> report -> store. A new stage is one function added to STAGES; each stage is a library call,
+this module orders them and records where the results went. The store comes last so that a run marked
+complete there is never followed by a failure."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from headgraph.analysis.selection import SelectedGraph, SelectionPolicy, select_graph
+from headgraph.analysis.selection import SelectedGraph, select_graph
 from headgraph.errors import UsageError
 from headgraph.files import writable_folder
-from headgraph.analysis.options import STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
 from headgraph.loader.graph import build_run_graph
-from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import RunGraph
-from headgraph.runs import HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, Run, write_run
+from headgraph.runs import (HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, PeakRss, Run, RunRecord,
+                            StageRun, write_run)
+from headgraph.settings import AnalyzeOptions
+from headgraph.stages import Context, peak_rss_method, run_stages, runs_if
 
-@dataclass(frozen=True)
-class AnalyzeOptions:
-    """What `headgraph analyze` was asked to do, besides which model; defaults declared once, here and in the
-    stage options it holds (the CLI reads them)."""
-
-    out_dir: str | None = None  # run folder (default runs/<run id>)
-    processing: str = "tl"  # tl: TransformerLens' folded/centred weights; raw: the checkpoint as stored
-    pk: PKOptions = field(default_factory=PKOptions)
-    roles: RoleOptions | None = field(default_factory=RoleOptions)  # None: no role tests
-    causal: CausalOptions | None = field(default_factory=CausalOptions)  # None: no causal effects
-    inputs_seed: int | None = None  # seed of the generated role and causal inputs (None: pk.seed)
-    stability: bool = False  # recompute under every stability variant before the report (run_stability)
-    policy: SelectionPolicy = field(default_factory=SelectionPolicy)
-    classes: str | None = None
-    store: StoreSpec | None = field(default_factory=StoreSpec)
-    report: bool = True
-    sweep: str | None = None  # the sweep this run belongs to (headgraph.sweep sets it), recorded with its step
-    step: int | None = None
+__all__ = ["AnalyzeOptions", "AnalyzeOutcome", "STAGES", "progress_bar", "run_analyze"]
 
 
 @dataclass
 class AnalyzeOutcome:
     """A finished analyze: the result tables (its id is result.run.id), the selected graph and the rows a store
-    writes of it (`graph`, stored or not), and where everything went."""
+    writes of it (`graph`, stored or not), where everything went, and what each stage cost."""
 
     folder: Path
     result: AnalysisResult
@@ -57,7 +43,9 @@ class AnalyzeOutcome:
     graph: RunGraph
     store: str | None
     report: dict[str, Path]
-    timings_s: dict[str, float] = field(default_factory=dict)  # wall seconds of each step in order, then "other"
+    stages: dict[str, StageRun]  # every stage that ran, in order: wall seconds and peak RSS (see StageRun)
+    peak_rss: PeakRss  # how the stages' peak RSS was read
+    timings_s: dict[str, float]  # the stages' wall seconds in order, then "other" (imports, checks)
 
 
 def new_run_id(model_name: str) -> str:
@@ -93,185 +81,154 @@ def _inputs_seed(options: AnalyzeOptions) -> int:
     return options.pk.seed if options.inputs_seed is None else options.inputs_seed
 
 
-def _add_roles(result: AnalysisResult, model, options: AnalyzeOptions, progress: Progress) -> None:
+def load(ctx: Context) -> None:
+    """The model in the processing asked, on the resolved device; the role tests' tokenizer checked before any
+    PK work; the run's id and folder."""
+    from headgraph.loader.models import load_model
+
+    task = ctx.progress.add_task(f"loading {ctx.model_name}", total=1)
+    ctx.model = load_model(ctx.source, processing=ctx.options.processing, device=ctx.options.pk.device,
+                           tokenizer=ctx.tokenizer)
+    ctx.progress.advance(task)
+    if ctx.options.roles:
+        from headgraph.analysis.roles import check_tokenizer
+
+        check_tokenizer(ctx.model)
+    ctx.run_id = new_run_id(ctx.model.name)
+    ctx.folder = Path(ctx.options.out_dir or Path("runs") / ctx.run_id)
+
+
+@runs_if(lambda ctx: ctx.options.causal is not None)
+def causal_inputs(ctx: Context) -> None:
+    """The causal effects' inputs (generated, or read from --causal-inputs: a bad file fails before the PK)."""
+    from headgraph.analysis.causal import CausalStage
+
+    ctx.causal = CausalStage.prepare(ctx.model, ctx.options.causal, _inputs_seed(ctx.options))
+
+
+def pk_and_significance(ctx: Context) -> None:
+    """PK of every pair, its references and significance, CS (headgraph.pipeline): the tables and the record."""
+    from headgraph.pipeline import run_pk
+
+    run_pk(ctx)
+
+
+@runs_if(lambda ctx: ctx.options.roles is not None)
+def roles(ctx: Context) -> None:
+    """Each head's role tests, as columns of the heads table."""
     from headgraph.analysis.roles import compute_roles
 
-    roles, meta = compute_roles(model, seed=_inputs_seed(options), progress=progress,
-                                **dataclasses.asdict(options.roles))
-    result.heads = result.heads.merge(roles, on=["head", "layer", "index"], how="left", validate="one_to_one")
-    result.run = dataclasses.replace(result.run, roles=meta)
+    table, ctx.role_settings = compute_roles(ctx.model, seed=_inputs_seed(ctx.options), progress=ctx.progress,
+                                             **dataclasses.asdict(ctx.options.roles))
+    ctx.result.heads = ctx.result.heads.merge(table, on=["head", "layer", "index"], how="left", validate="one_to_one")
 
 
-def _add_local_effects(result: AnalysisResult, stage, seed: int, console: Console, progress: Progress) -> bool:
-    """The local effects of the OQ/OK/OV pairs into the pairs table; False (recorded, and a warning for a model
-    whose attention cannot be recomputed) when there are none."""
+@runs_if(lambda ctx: ctx.causal is not None)
+def causal_local(ctx: Context) -> None:
+    """The local effects of the OQ/OK/OV pairs into the pairs table, or why there are none (recorded, and a
+    warning for a model whose attention cannot be recomputed)."""
     from headgraph.analysis.causal import CausalUnsupported
 
     try:
-        result.pairs, record = stage.local(result.pairs, result.run.types, seed, progress)
+        ctx.result.pairs, ctx.causal_record = ctx.causal.local(ctx.result.pairs, ctx.options.pk.types,
+                                                               _inputs_seed(ctx.options), ctx.progress)
     except CausalUnsupported as e:
-        console.print(f"[yellow]causal effects skipped:[/] {e}")
-        record = {"skipped": str(e)}
-    result.run = dataclasses.replace(result.run, causal=record)
-    return "skipped" not in record
+        ctx.console.print(f"[yellow]causal effects skipped:[/] {e}")
+        ctx.causal_record = {"skipped": str(e)}
 
 
-def _add_loss_effects(result: AnalysisResult, selected: SelectedGraph, stage, seed: int,
-                      progress: Progress) -> SelectedGraph:
-    result.pairs, edges, seconds = stage.loss(result.pairs, selected.edges, seed, progress)
-    causal = result.run.causal
-    result.run = dataclasses.replace(result.run, causal={**causal, "timings_s": {**causal["timings_s"], "loss": seconds}})
-    return dataclasses.replace(selected, edges=edges)
+def selection_and_centrality(ctx: Context) -> None:
+    """The selected graph and its centrality: once, for the summary, the report and the store."""
+    ctx.selected = select_graph(ctx.result.pairs, ctx.result.heads, ctx.options.policy)
+
+
+@runs_if(lambda ctx: ctx.has_effects and ctx.options.causal.loss)
+def causal_loss(ctx: Context) -> None:
+    """The loss effects of the selected edges, into the pairs table and that one selection."""
+    ctx.result.pairs, edges, _ = ctx.causal.loss(ctx.result.pairs, ctx.selected.edges, _inputs_seed(ctx.options),
+                                                 ctx.progress)  # its seconds: the runner's, as every stage's
+    ctx.selected = dataclasses.replace(ctx.selected, edges=edges)
+
+
+def _record(ctx: Context) -> RunRecord:
+    """The PK's run record completed, in the one place it is: where the run went, what the later stages did and
+    what each stage before the run folder cost (the causal effects' seconds among them)."""
+    causal = ctx.causal_record
+    if ctx.has_effects:
+        causal = {**causal, "timings_s": {name.removeprefix("causal_"): ctx.stages[name].seconds
+                                          for name in ("causal_local", "causal_loss") if name in ctx.stages}}
+    options = ctx.options
+    return dataclasses.replace(ctx.result.run, id=ctx.run_id, out_dir=str(ctx.folder.resolve()),
+                               selection=options.policy.describe(), sweep=options.sweep, step=options.step,
+                               roles=ctx.role_settings, causal=causal, stages=dict(ctx.stages),
+                               peak_rss=peak_rss_method())
+
+
+def artifacts(ctx: Context) -> None:
+    """The run folder (run.json, pairs / heads tables), and the rows a store writes of the selected graph."""
+    ctx.result.run = _record(ctx)
+    _clear_earlier_run(ctx.folder)
+    write_run(ctx.result, ctx.folder)
+    ctx.run = Run(ctx.folder, ctx.result.run, ctx.result.pairs, ctx.result.heads)  # as written, not read back
+    ctx.graph = build_run_graph(ctx.selected, ctx.result.run, ctx.classes.labels() if ctx.classes else None)
+
+
+@runs_if(lambda ctx: ctx.options.stability)
+def stability(ctx: Context) -> None:
+    """The run recomputed under each stability variant (headgraph.stability), before the report shows them."""
+    from headgraph.stability import run_stability
+
+    run_stability(ctx.run, run_analyze, console=ctx.console, progress=not ctx.progress.disable)
+
+
+@runs_if(lambda ctx: ctx.options.report)
+def report(ctx: Context) -> None:
+    """report.md / .html and the figures, into the run folder."""
+    from headgraph.report.report import FIGURE_COUNT, render_report
+
+    task = ctx.progress.add_task("report and figures", total=FIGURE_COUNT + 1)
+    ctx.report_files = render_report(ctx.run, policy=ctx.options.policy, classes=ctx.classes,
+                                     advance=lambda: ctx.progress.advance(task), selected=ctx.selected)
+
+
+@runs_if(lambda ctx: ctx.options.store is not None)
+def store(ctx: Context) -> None:
+    """The selected graph into the store: last, so a run is marked complete only when nothing after it can fail."""
+    task = ctx.progress.add_task(f"storing {len(ctx.selected.edges)} edges in {ctx.store_description}", total=1)
+    with ctx.options.store.open() as opened:
+        opened.load_run(ctx.graph)
+    ctx.progress.advance(task)
+
+
+STAGES = (load, causal_inputs, pk_and_significance, roles, causal_local, selection_and_centrality, causal_loss,
+          artifacts, stability, report, store)
 
 
 def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, progress: bool = True,
                 tokenizer=None) -> AnalyzeOutcome:
-    """Run the whole pipeline on one model and return what it produced (see the module docstring).
+    """Run STAGES on one model and return what they produced (see the module docstring).
 
     model: a name or folder, or a model already loaded (a transformers PreTrainedModel, with `tokenizer` or the
     one saved beside it, or a TransformerBridge): headgraph.loader.models.load_model takes each the same way."""
     start = time.perf_counter()
     from headgraph.analysis.classes import load_classes
-    from headgraph.loader.models import describe_model, load_model
-    from headgraph.pipeline import analyze, resolve_device, timed
-    from headgraph.report.report import default_classes, render_report
+    from headgraph.loader.models import describe_model
+    from headgraph.pipeline import checked_pk_options
+    from headgraph.report.report import default_classes
 
     console = console or Console(stderr=True)
-    device = resolve_device(options.pk.device)
+    options = dataclasses.replace(options, pk=checked_pk_options(options.pk))  # the device resolved, once
     model_name, _ = describe_model(model)  # an unknown model fails here, before the store is touched
     classes = load_classes(options.classes) if options.classes else default_classes(model_name)
     _check_folder(Path(options.out_dir or "runs"))
     if options.policy.min_effect is not None and options.causal is None:
         raise UsageError("--min-effect selects by causal effect, which --no-causal skips: drop one of them")
     store_description = options.store.check() if options.store is not None else None
-
-    timings: dict[str, float] = {}
-    with console.status(f"loading {model_name}") if progress else contextlib.nullcontext(), timed(timings, "load"):
-        model = load_model(model, processing=options.processing, device=device, tokenizer=tokenizer)
-    if options.roles:
-        from headgraph.analysis.roles import check_tokenizer
-
-        check_tokenizer(model)  # before the PK work, not after it
-    causal = None
-    if options.causal:
-        from headgraph.analysis.causal import CausalStage
-
-        with timed(timings, "causal_inputs"):
-            causal = CausalStage.prepare(model, options.causal, _inputs_seed(options))
-    with timed(timings, "pk_and_significance"):
-        result = analyze(model, options=dataclasses.replace(options.pk, device=device), console=console,
-                         progress=progress)
-    run_id = new_run_id(model.name)
-    folder = Path(options.out_dir or Path("runs") / run_id)
-    result.run = dataclasses.replace(result.run, id=run_id, out_dir=str(folder.resolve()),
-                                     selection=options.policy.describe(), sweep=options.sweep, step=options.step)
     with progress_bar(console, progress) as bar:
-        if options.roles:
-            with timed(timings, "roles"):
-                _add_roles(result, model, options, bar)
-        effects = False
-        if causal is not None:
-            with timed(timings, "causal_local"):
-                effects = _add_local_effects(result, causal, _inputs_seed(options), console, bar)
-        with timed(timings, "selection_and_centrality"):
-            selected = select_graph(result.pairs, result.heads, options.policy)  # once, for summary, report and store
-        if effects and options.causal.loss:
-            with timed(timings, "causal_loss"):
-                selected = _add_loss_effects(result, selected, causal, _inputs_seed(options), bar)
-        with timed(timings, "artifacts"):
-            _clear_earlier_run(folder)
-            write_run(result, folder)
-        run = Run(folder, result.run, result.pairs, result.heads)  # as written, not read back from disk
-        if options.stability:
-            with timed(timings, "stability"):
-                run_stability(run, console=console, progress=progress)
-        paths = {}
-        if options.report:
-            from headgraph.report.report import FIGURE_COUNT
-
-            task = bar.add_task("report and figures", total=FIGURE_COUNT + 1)
-            with timed(timings, "report"):
-                paths = render_report(run, policy=options.policy, classes=classes,
-                                      advance=lambda: bar.advance(task), selected=selected)
-        graph = build_run_graph(selected, result.run, classes.labels() if classes is not None else None)
-        if options.store is not None:  # last: a run is marked complete only when nothing after it can fail
-            task = bar.add_task(f"storing {len(selected.edges)} edges in {store_description}", total=1)
-            with timed(timings, "store"), options.store.open() as store:
-                store.load_run(graph)
-            bar.advance(task)
-    timings["other"] = round(time.perf_counter() - start - sum(timings.values()), 3)  # imports, checks, graph rows
-    return AnalyzeOutcome(folder, result, selected, graph, store_description, paths, timings)
-
-
-def rerun_options(run: Run) -> AnalyzeOptions:
-    """The settings a run was made with, read off its record (no store, no report): what `run_stability`
-    varies one at a time."""
-    record = run.record
-    pk = PKOptions(types=record.types, full_matrix=not record.pairs.startswith("earlier"), device=record.device,
-                   dtype=record.dtype, seed=record.seed, max_memory=record.max_memory,
-                   reference_samples=record.reference["samples"], null_heads=record.null_model["null_heads"])
-    roles = None
-    if record.roles:
-        roles = RoleOptions(**{f.name: record.roles[f.name] for f in dataclasses.fields(RoleOptions)
-                               if f.name in record.roles})
-    causal = None
-    if record.has_effects:
-        per_set = list(record.causal["inputs"].values())
-        causal = CausalOptions(n_inputs=max(per_set), ablation=record.causal["ablation"],
-                               n_boot=record.causal["n_boot"], loss=False)  # every pair's local effect is compared
-    return AnalyzeOptions(processing=record.processing, pk=pk, roles=roles, causal=causal,
-                          policy=SelectionPolicy.parse(record.selection), store=None, report=False)
-
-
-def _variant(options: AnalyzeOptions, name: str) -> AnalyzeOptions | str:
-    """The options of one stability variant, or why it cannot run here."""
-    import torch
-
-    pk = options.pk
-    if name == "float64":
-        return dataclasses.replace(options, pk=dataclasses.replace(pk, dtype="float64"))
-    if name == "null_seed":
-        return dataclasses.replace(options, pk=dataclasses.replace(pk, seed=pk.seed + 1), inputs_seed=pk.seed)
-    if name == "inputs":
-        if options.roles is None and options.causal is None:
-            return "the run has neither role tests nor causal effects"
-        return dataclasses.replace(options, inputs_seed=pk.seed + 1)
-    if name in ("rank_tol_x10", "rank_tol_div10"):
-        factor = 10.0 if name == "rank_tol_x10" else 0.1
-        return dataclasses.replace(options, pk=dataclasses.replace(pk, rank_tolerance=pk.rank_tolerance * factor))
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            return "no CUDA device"
-        if pk.device == "cuda":
-            return "the run itself was computed on CUDA"
-        return dataclasses.replace(options, pk=dataclasses.replace(pk, device="cuda"))
-    raise UsageError(f"unknown stability variant {name!r}: use {', '.join(STABILITY_VARIANTS)}")
-
-
-def run_stability(run: Run, variants=tuple(STABILITY_VARIANTS), console: Console | None = None,
-                  progress: bool = True) -> dict:
-    """Recompute `run` under each variant (headgraph.analysis.stability), compare, and write stability.json
-    into the run folder; returns the report."""
-    import tempfile
-
-    from headgraph.analysis.stability import compare_runs
-    from headgraph.runs import load_run, write_stability
-
-    base = rerun_options(run)
-    report = {"run": run.record.id, "policy": base.policy.describe(), "variants": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in variants:
-            options = _variant(base, name)
-            if isinstance(options, str):
-                report["variants"][name] = {"what": STABILITY_VARIANTS[name], "skipped": options}
-                continue
-            (console or Console(stderr=True)).print(f"stability: {name} ({STABILITY_VARIANTS[name]})")
-            outcome = run_analyze(run.record.model.source, dataclasses.replace(options, out_dir=f"{tmp}/{name}"),
-                                  console=console, progress=progress)
-            other = load_run(outcome.folder)
-            compared = compare_runs(run.pairs, other.pairs, run.heads if base.roles else None,
-                                    other.heads if base.roles else None, base.policy)
-            report["variants"][name] = {"what": STABILITY_VARIANTS[name], "pairs": compared.pairs,
-                                        "roles": compared.roles}
-    write_stability(run.path, report)
-    return report
+        ctx = Context(options, console, bar, source=model, model_name=model_name, tokenizer=tokenizer,
+                      classes=classes, store_description=store_description)
+        run_stages(ctx, STAGES, ctx.stages)
+    timings = {name: stage.seconds for name, stage in ctx.stages.items()}
+    timings["other"] = round(time.perf_counter() - start - sum(timings.values()), 3)
+    return AnalyzeOutcome(ctx.folder, ctx.result, ctx.selected, ctx.graph, store_description, ctx.report_files,
+                          dict(ctx.stages), peak_rss_method(), timings)

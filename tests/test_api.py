@@ -145,7 +145,7 @@ def test_select_reselects_without_recomputing(run, monkeypatch):
         raise AssertionError("select() must not load a model or compute PK")
 
     monkeypatch.setattr("headgraph.loader.models.load_model", refuse)
-    monkeypatch.setattr("headgraph.pipeline.analyze", refuse)
+    monkeypatch.setattr("headgraph.pipeline.run_pk", refuse)  # the PK of compute_pk and of analyze
     fewer = run.select(top_k=2)
     expected = top_k_by_pk(run.pairs, 2)
     assert sorted(fewer.graph.edges(keys=True)) == sorted(zip(expected["source"], expected["target"], expected["kind"]))
@@ -209,6 +209,40 @@ def test_unknown_and_conflicting_options_stop_before_any_work(monkeypatch):
         headgraph.analyze("induction-2l", roles=False, roles_n_inputs=5)
     with pytest.raises(UsageError, match="store=3 is not a store"):
         headgraph.analyze("induction-2l", store=3)
+    with pytest.raises(UsageError, match=r"causal_loss_edges=0 \(no loss effects\) given with causal_loss=True"):
+        headgraph.analyze("induction-2l", causal_loss=True, causal_loss_edges=0)
+    with pytest.raises(UsageError, match="causal_loss_edges=5 given with causal_loss=False: drop one"):
+        headgraph.analyze("induction-2l", causal_loss=False, causal_loss_edges=5)
+
+
+def test_the_cli_flags_and_the_api_keywords_ask_for_the_same_analysis(monkeypatch):
+    """One translator of flat names: the CLI's --causal-loss-edges 0 is the API's causal_loss=False, and the
+    CLI's defaults and flags are the API's keywords (what `headgraph analyze` hands the orchestrator, caught)."""
+    from click.testing import CliRunner
+
+    from headgraph.cli import cli
+    from headgraph.settings import analyze_options
+
+    asked = []
+
+    def caught(model, options, **kwargs):
+        asked.append(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("headgraph.workflow.run_analyze", caught)
+
+    def cli_options(*flags):
+        done = CliRunner().invoke(cli, ["analyze", "induction-2l", *flags])
+        assert done.exit_code == 0, done.output
+        return asked.pop()
+
+    no_loss = cli_options("--causal-loss-edges", "0", "--no-store", "--no-report")
+    assert no_loss == analyze_options(causal_loss=False) and no_loss.causal.loss is False
+    assert cli_options() == analyze_options(store=True, report=True)
+    assert cli_options("--types", "all", "--top-k", "0", "--max-q", "0.1", "--no-roles", "--causal-n", "5",
+                       "--seed", "3", "--out", "there", "--db", "g.lbdb", "--stability", "--full-matrix") == \
+        analyze_options(types="all", top_k=None, max_q=0.1, roles=False, causal_n_inputs=5, seed=3, out="there",
+                        store="g.lbdb", report=True, stability=True, full_matrix=True)
 
 
 def test_import_headgraph_and_its_api_load_no_torch():

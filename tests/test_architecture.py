@@ -20,17 +20,22 @@ ALLOWED = {
     "loader": {"errors", "heads", "files", "runs", "analysis.selection", "analysis.artifacts"},  # types, table rows
     "queries": {"errors", "heads", "loader"},
     "report": {"errors", "heads", "files", "analysis", "runs", "loader"},
-    "pipeline": {"errors", "heads", "analysis", "runs"},
-    "workflow": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report"},
+    # what analyze is asked, and the stage protocol (its Context and runner) under the orchestrator's stages
+    "settings": {"errors", "heads", "analysis", "loader.open_store"},
+    "stages": {"errors", "heads", "analysis", "runs", "loader", "settings"},
+    "pipeline": {"errors", "heads", "analysis", "runs", "settings", "stages"},
+    "stability": {"errors", "analysis", "runs", "settings"},  # given the orchestrator's run_analyze, not importing it
+    "workflow": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report", "settings", "stages",
+                 "stability"},
     "testing": {"errors", "heads", "loader"},
     "neo4j_local": {"errors"},
     "doctor": {"errors", "loader"},
     "export": {"errors", "heads", "files", "analysis", "runs", "loader.graph"},  # loader.graph: the stores' Run rows
     "sweep": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "workflow"},
     # the public Python API: what the orchestrator imports, and the orchestrator
-    "api": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report", "workflow"},
-    "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "workflow",
-            "doctor", "neo4j_local", "export", "api", "sweep", "_version"},
+    "api": {"errors", "heads", "files", "analysis", "runs", "loader", "pipeline", "report", "settings", "workflow"},
+    "cli": {"errors", "heads", "files", "analysis", "runs", "loader", "queries", "report", "pipeline", "settings",
+            "stability", "workflow", "doctor", "neo4j_local", "export", "api", "sweep", "_version"},
     "__main__": {"cli"},
     "__init__": {"_version", "api"},  # api lazily, on first use of headgraph.analyze / load_run / Run
 }

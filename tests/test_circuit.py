@@ -8,7 +8,7 @@ import pytest
 
 from headgraph.analysis.causal import causal_inputs, local_effects, loss_effects
 from headgraph.loader.models import load_model
-from headgraph.pipeline import analyze
+from headgraph.pipeline import compute_pk
 
 CIRCUIT = {("L0H2", f"L1H{h}") for h in range(4)}
 KEYS = ["source", "target", "source_type", "target_type"]
@@ -16,7 +16,7 @@ KEYS = ["source", "target", "source_type", "target_type"]
 
 def ok_pairs(name):
     model = load_model(name, processing="raw", device="cpu")
-    pk = analyze(model, types=("OK",), null_heads=20, reference_samples=2000, progress=False).pairs
+    pk = compute_pk(model, types=("OK",), null_heads=20, reference_samples=2000, progress=False).pairs
     inputs = causal_inputs(model, 48, seed=0)
     effects = local_effects(model, inputs, types=("OK",), n_boot=500, seed=0)
     pairs = pk.merge(effects, on=KEYS, validate="one_to_one")

@@ -108,7 +108,7 @@ def test_cli_json_and_table(runs, capsys):
 def planted_checkpoints(tmp_path_factory):
     """Two planted GPT-2 checkpoints, run through the PK pipeline, that differ by one planted edge."""
     from headgraph.loader.models import load_model
-    from headgraph.pipeline import analyze
+    from headgraph.pipeline import compute_pk
     from headgraph.runs import write_run as write_run_folder
     from headgraph.testing.planted import PlantSpec, save_planted
 
@@ -117,7 +117,7 @@ def planted_checkpoints(tmp_path_factory):
     runs, truths = {}, {}
     for name, spec in (("base", PlantSpec(edges=full.edges[:-1])), ("tuned", full)):
         folder, truths[name] = save_planted(root / name, spec)
-        result = analyze(load_model(str(folder), processing="tl"), progress=False, null_heads=50,
+        result = compute_pk(load_model(str(folder), processing="tl"), progress=False, null_heads=50,
                          reference_samples=2000)
         runs[name] = load_run(write_run_folder(result, root / f"run-{name}"))
     added = set(truths["tuned"].edges) - set(truths["base"].edges)

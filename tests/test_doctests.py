@@ -6,7 +6,7 @@ import doctest
 
 import pytest
 
-from headgraph import api, export, heads, sweep
+from headgraph import api, export, heads, settings, sweep
 from headgraph.analysis import bootstrap, centrality, network, pk, selection, stability
 from headgraph.loader import models
 from headgraph.report import interactive
@@ -14,7 +14,7 @@ from headgraph.report import sweep as sweep_report
 
 
 @pytest.mark.parametrize("module", [heads, bootstrap, pk, selection, centrality, network, stability, models, export, interactive, api,
-                                    sweep, sweep_report], ids=lambda m: m.__name__)
+                                    settings, sweep, sweep_report], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

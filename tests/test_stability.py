@@ -77,3 +77,26 @@ def test_stability_of_the_induction_model_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr
     assert set(json.loads(again.stdout)["variants"]) == {"null_seed"}
     assert set(json.loads((out / "stability.json").read_text())["variants"]) == {"null_seed"}
+
+
+def test_reruns_read_the_recorded_settings_not_the_words_of_the_record(tmp_path):
+    import headgraph
+    from headgraph.analysis.options import PKOptions
+    from headgraph.runs import load_run
+    from headgraph.stability import rerun_options
+
+    run = headgraph.analyze("induction-2l", out=tmp_path / "run", roles=False, causal=False, progress=False,
+                            device="cpu", reference_samples=1000, null_heads=20, full_matrix=True, seed=2, top_k=4)
+    path = run.path / "run.json"
+    written = json.loads(path.read_text())
+    assert written["full_matrix"] is True and written["pairs"].startswith("full matrix")
+    path.write_text(json.dumps({**written, "pairs": "earlier layer -> strictly later layer"}))  # words that disagree
+    options = rerun_options(load_run(run.path))
+    assert options.pk == PKOptions(types=("OQ", "OK", "OV"), full_matrix=True, device="cpu", seed=2,
+                                   reference_samples=1000, null_heads=20)
+    assert options.policy == SelectionPolicy(top_k=4) and options.roles is None and options.causal is None
+    assert options.store is None and not options.report
+    # a run.json of format 3 recorded the setting only in words: they are read for it there
+    older = {k: v for k, v in written.items() if k not in ("full_matrix", "stages", "peak_rss")}
+    path.write_text(json.dumps({**older, "format_version": 3}))
+    assert rerun_options(load_run(run.path)).pk.full_matrix is True

@@ -22,7 +22,7 @@ from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import load_model
 from headgraph.loader.open_store import open_store
-from headgraph.pipeline import analyze
+from headgraph.pipeline import compute_pk
 from headgraph.queries.runner import run_named
 
 EDGES_OF_RUN = "MATCH (a:Head)-[r]->(b:Head) WHERE a.run_id = $run RETURN r.kind, a.name, b.name, r.pk, r.rank"
@@ -93,7 +93,7 @@ def test_round_trip_stores_the_top_k_edges_of_each_type(store, tables):
 @pytest.fixture(scope="module")
 def planted_analysis(planted):
     folder, truth = planted
-    return analyze(load_model(str(folder)), reference_samples=2000, null_heads=20, progress=False), truth
+    return compute_pk(load_model(str(folder)), reference_samples=2000, null_heads=20, progress=False), truth
 
 
 def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):

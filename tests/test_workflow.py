@@ -5,7 +5,10 @@ written, and bad input stops before any work with one line and a non-zero exit c
 import json
 import re
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from _commands import headgraph
@@ -36,6 +39,97 @@ def test_the_summary_says_where_the_time_went(analyzed):
              "causal_loss", "artifacts", "report", "store", "other"]
     assert list(summary["timings_s"]) == steps  # in the order they ran; no step of this run is missing
     assert all(seconds >= 0 for seconds in summary["timings_s"].values())
+
+
+def _clear_refs_writable() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def test_run_json_records_each_stage_before_the_run_folder_with_its_peak_memory(analyzed):
+    *_, out, summary = analyzed
+    run = json.loads((out / "run.json").read_text())
+    before = ["load", "causal_inputs", "pk_and_significance", "roles", "causal_local", "selection_and_centrality",
+              "causal_loss"]
+    assert list(run["stages"]) == before and run["stages"] == {name: summary["stages"][name] for name in before}
+    assert list(summary["stages"]) == list(summary["timings_s"])[:-1]  # every stage the summary timed but "other"
+    assert all(summary["timings_s"][name] == stage["seconds"] for name, stage in summary["stages"].items())
+    assert all(stage["peak_rss_bytes"] > 2**26 for stage in summary["stages"].values())  # torch alone holds more
+    assert run["peak_rss"] == summary["peak_rss"] == ("vmhwm" if _clear_refs_writable() else "ru_maxrss")
+    # the causal stage's seconds are the runner's, not a second clock
+    assert run["causal"]["timings_s"] == {"local": run["stages"]["causal_local"]["seconds"],
+                                          "loss": run["stages"]["causal_loss"]["seconds"]}
+
+
+def _resident_bytes() -> int:
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+
+
+BLOCK = 256 * 2**20
+
+
+def _allocate(ctx):
+    block = np.ones(BLOCK // 8)  # written, so resident until freed (an mmap of its own, returned on del)
+    del block
+
+
+def _pause(ctx):
+    time.sleep(0.05)
+
+
+def _stages_context():
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from headgraph.settings import AnalyzeOptions
+    from headgraph.stages import Context
+
+    return Context(AnalyzeOptions(), Console(stderr=True), Progress(disable=True))
+
+
+def test_each_stage_records_its_own_peak_and_a_nested_stage_counts_in_its_parent():
+    from headgraph.stages import peak_rss_method, run_stages, runs_if
+
+    @runs_if(lambda ctx: ctx.model is not None)
+    def skipped(ctx):
+        raise AssertionError("a stage whose condition fails ran")
+
+    def outer(ctx):
+        run_stages(ctx, (_allocate, skipped, _pause), ctx.pk_stages)
+
+    ctx = _stages_context()
+    resident = _resident_bytes()
+    run_stages(ctx, (outer, _pause), ctx.stages)
+    inner, top = ctx.pk_stages, ctx.stages
+    assert list(inner) == ["_allocate", "_pause"] and list(top) == ["outer", "_pause"]  # skipped: not recorded
+    assert inner["_pause"].seconds >= 0.05 and top["outer"].seconds >= inner["_pause"].seconds
+    assert inner["_allocate"].peak_rss_bytes >= resident + 0.95 * BLOCK
+    assert top["outer"].peak_rss_bytes >= inner["_allocate"].peak_rss_bytes  # the inner resets did not lose it
+    if peak_rss_method() != "vmhwm":
+        pytest.skip("/proc/self/clear_refs cannot be written here: no peak of a stage's own to check")
+    assert inner["_allocate"].peak_rss_bytes - inner["_pause"].peak_rss_bytes > 0.9 * BLOCK  # reset between
+    assert top["outer"].peak_rss_bytes - top["_pause"].peak_rss_bytes > 0.9 * BLOCK
+
+
+def test_without_clear_refs_a_stage_records_the_process_peak(monkeypatch):
+    import resource
+
+    import headgraph.stages as stages
+
+    monkeypatch.setattr(stages, "_CLEAR_REFS", Path("/proc/self/headgraph-no-clear-refs"))
+    stages.peak_rss_method.cache_clear()
+    try:
+        ctx = _stages_context()
+        stages.run_stages(ctx, (_allocate, _pause), ctx.stages)
+        assert stages.peak_rss_method() == "ru_maxrss"
+    finally:
+        stages.peak_rss_method.cache_clear()
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    allocated, after = ctx.stages["_allocate"].peak_rss_bytes, ctx.stages["_pause"].peak_rss_bytes
+    assert allocated >= BLOCK and allocated <= after <= process_peak  # no reset: the peak so far, never less
 
 
 def test_stored_graph_answers_the_hubs_query(analyzed):
@@ -116,7 +210,7 @@ def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path)
     assert not (tmp_path / "none.lbdb").exists()
 
 
-def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkeypatch):
+def test_selection_centrality_and_device_resolution_happen_once_per_analyze(planted, tmp_path, monkeypatch):
     """Every module's binding of select_edges and head_centrality is counted: a second selection anywhere in
     analyze (summary, report, store) would show."""
     import headgraph.analysis.centrality
@@ -139,11 +233,18 @@ def test_selection_and_centrality_run_once_per_analyze(planted, tmp_path, monkey
         for loaded in [m for n, m in sys.modules.items() if n.startswith("headgraph")]:
             if getattr(loaded, name, None) is original:
                 monkeypatch.setattr(loaded, name, counted)
+    import headgraph.pipeline
+
+    devices = []
+    resolve_device = headgraph.pipeline.resolve_device
+    monkeypatch.setattr(headgraph.pipeline, "resolve_device",
+                        lambda device: devices.append(device) or resolve_device(device))
     options = AnalyzeOptions(out_dir=str(tmp_path / "run"), pk=PKOptions(reference_samples=2000, null_heads=20),
                              roles=RoleOptions(n_inputs=8), causal=CausalOptions(n_inputs=4, n_boot=50),
                              policy=SelectionPolicy(top_k=5), store=StoreSpec(db=str(tmp_path / "g.lbdb")))
     outcome = run_analyze(str(planted[0]), options, progress=False)
     assert calls == {"select_edges": 1, "head_centrality": 1}  # the loss effects extend that one selection
+    assert devices == [None]  # the device is resolved once, from what was asked
     edges = outcome.selected.edges
     assert edges.loc[edges["kind"].isin(["OQ", "OK", "OV"]), "effect_loss"].notna().all()
     assert outcome.report and len(outcome.selected.edges) == 15

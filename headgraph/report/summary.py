@@ -64,6 +64,8 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
         "store": outcome.store,
         "report": {name: str(path) for name, path in outcome.report.items() if name.startswith("report")},
         "timings_s": outcome.timings_s,
+        "stages": {name: dataclasses.asdict(stage) for name, stage in outcome.stages.items()},
+        "peak_rss": outcome.peak_rss,
     }
 
 
@@ -126,6 +128,10 @@ def print_summary(data: dict, console: Console) -> None:
     steps = data["timings_s"]
     console.print(f"time: {sum(steps.values()):.1f} s (" + ", ".join(f"{step.replace('_', ' ')} {s:.1f}"
                                                                   for step, s in steps.items()) + ")")
+    how = "of each stage" if data["peak_rss"] == "vmhwm" else "of the process so far, ru_maxrss"
+    peaks = ", ".join(f"{name.replace('_', ' ')} {stage['peak_rss_bytes'] / 2**30:.2f}"
+                      for name, stage in data["stages"].items())
+    console.print(f"peak resident memory {how} (GiB): {peaks}")
 
 
 def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: float) -> dict:
@@ -205,7 +211,7 @@ def _num(value, digits: int = 2) -> str:
 
 
 def print_stability(report: dict, console: Console) -> None:
-    """A stability report (headgraph.workflow.run_stability) as tables: per variant and type, then roles."""
+    """A stability report (headgraph.stability.run_stability) as tables: per variant and type, then roles."""
     from headgraph.analysis.stability import role_flips, summary_rows
 
     table = Table(title=f"stability of run {report['run']} ({report['policy']})", box=box.SIMPLE_HEAD,
