@@ -10,7 +10,7 @@ from collections.abc import Callable
 import click
 
 from headgraph._version import __version__
-from headgraph.analysis.options import CORRECTIONS, STABILITY_VARIANTS
+from headgraph.analysis.options import CORRECTIONS, ROLE_DESIGNS, STABILITY_VARIANTS
 from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
 from headgraph.errors import HeadgraphError
@@ -128,9 +128,12 @@ def analyze_options(command: Callable) -> Callable:
                   help="Samples of the isotropic reference distribution (for the KL matrix).")
     @click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
     @click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
-                  help="Generated inputs per input set of the role tests.")
+                  help="Generated inputs per input set of the role tests (sequential: at most).")
     @click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
                   help="Multiple-testing correction of the role tests across heads.")
+    @click.option("--design", "role_design", type=click.Choice(ROLE_DESIGNS), default=ROLES.design,
+                  show_default=True, help="Role tests: sequential stops an input set once every head is settled; "
+                                          "fixed: t-tests on all --n-inputs.")
     @click.option("--causal/--no-causal", default=True, show_default=True,
                   help="Direct-path patching: local effect of every OQ/OK/OV pair, loss effect of the selected edges.")
     @click.option("--causal-n", default=CAUSAL.n_inputs, show_default=True, type=click.IntRange(min=2),
@@ -148,9 +151,10 @@ def analyze_options(command: Callable) -> Callable:
     @store_options
     @functools.wraps(command)
     def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
-                reference_samples, roles, n_inputs, correction, causal, causal_n, causal_inputs, causal_loss_edges,
-                classes_name, policy, stability, no_store, no_report, store, **kwargs):
-        role_settings = {"roles_n_inputs": n_inputs, "roles_correction": correction} if roles else {}
+                reference_samples, roles, n_inputs, correction, role_design, causal, causal_n, causal_inputs,
+                causal_loss_edges, classes_name, policy, stability, no_store, no_report, store, **kwargs):
+        role_settings = ({"roles_n_inputs": n_inputs, "roles_correction": correction, "roles_design": role_design}
+                         if roles else {})
         causal_settings = {"causal_n_inputs": causal_n, "causal_inputs_file": causal_inputs,
                            "causal_loss_edges": causal_loss_edges} if causal else {}  # 0: no loss effects
         options = settings.analyze_options(
@@ -308,17 +312,19 @@ def cypher(statement, params, fmt, store):
 @click.argument("model")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write roles.parquet and roles.json here.")
 @click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
-              help="Inputs per input set.")
+              help="Inputs per input set (sequential: at most).")
 @click.option("--seed", default=PK.seed, show_default=True, help="Seed of the generated inputs.")
-@click.option("--tau", default=ROLES.tau, show_default=True, help="Sieve bias threshold of the one-sided t-test.")
+@click.option("--tau", default=ROLES.tau, show_default=True, help="Sieve bias threshold of the one-sided test.")
 @click.option("--alpha", default=ROLES.alpha, show_default=True,
               type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Significance level of the decision.")
 @click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
               help="Multiple-testing correction across heads.")
+@click.option("--design", "role_design", type=click.Choice(ROLE_DESIGNS), default=ROLES.design, show_default=True,
+              help="sequential: stop an input set once every head is settled; fixed: t-tests on all --n-inputs.")
 @click.option("--identity-map", is_flag=True, help="Also print the layer x head map of identity scores.")
 @DEVICE_OPTION
-def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identity_map, device):
-    """Test every head of MODEL for roles (sieve bias t-tests) and print the heads per role per layer."""
+def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, role_design, identity_map, device):
+    """Test every head of MODEL for roles (sieve bias tests) and print the heads per role per layer."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -330,7 +336,7 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, identi
     loaded = load_model(model, processing="raw", device=device)
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         heads, meta = compute_roles(loaded, seed=seed, progress=progress, n_inputs=n_inputs, tau=tau, alpha=alpha,
-                                    correction=correction)
+                                    correction=correction, design=role_design)
     print_roles(loaded.name, heads, meta, Console(), identity_map=identity_map)
     if out_dir:
         paths = write_roles(heads, {"model": loaded.name, "source": str(loaded.source), **meta}, out_dir)
