@@ -86,10 +86,8 @@ def load_run(folder_or_id, store=None, policy: SelectionPolicy | None = None) ->
     """A saved run: its folder, or the id of a stored run (its record names the folder) in `store` (None: the
     default store, as the CLI; or what `analyze` takes). The graph is selected by `policy`, by default the
     selection the run records (run.json `selection`; the top 20 per type for a run that records none)."""
-    from headgraph.report.report import resolve_run_dir
-
     spec = StoreSpec() if store is None else store_spec(store)
-    base = runs.load_run(resolve_run_dir(str(folder_or_id), spec))
+    base = runs.load_run(runs.resolve_run_dir(str(folder_or_id), spec))
     recorded = SelectionPolicy.parse(base.record.selection) if base.record.selection else SelectionPolicy()
     record = dataclasses.replace(base.record, selection=(policy or recorded).describe())
     return Run(base.path, record, base.pairs, base.heads, policy=policy or recorded)
@@ -150,8 +148,7 @@ class Run(runs.Run):
         return Run(self.path, record, self.pairs, self.heads, policy=policy, classes=self.classes)
 
     def _head_classes(self):
-        from headgraph.analysis.classes import load_classes
-        from headgraph.report.report import default_classes
+        from headgraph.analysis.classes import default_classes, load_classes
 
         return load_classes(self.classes) if self.classes else default_classes(self.model)
 

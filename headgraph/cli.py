@@ -233,6 +233,48 @@ FORMAT_OPTION = click.option(
 )
 
 
+def _cell(value) -> str:
+    """A table cell: floats to 4 significant digits, lists joined by ', ', maps as JSON, null as nothing."""
+    import json
+
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def print_rows(rows, fmt: str) -> None:
+    """Query rows (a headgraph.loader.store.Rows) on stdout: `json` a JSON list of row objects, `csv` a header
+    and the rows (lists joined by '; '), `table` a rich table."""
+    import csv
+    import io
+    import json
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    if fmt == "json":
+        click.echo(json.dumps(rows.records(), indent=2, default=str))
+    elif fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(rows.columns)
+        for row in rows.rows:
+            writer.writerow(["; ".join(map(str, v)) if isinstance(v, list) else ("" if v is None else v) for v in row])
+        click.echo(buffer.getvalue(), nl=False)
+    else:
+        table = Table(*rows.columns, show_lines=False)
+        for row in rows.rows:
+            table.add_row(*(escape(_cell(v)) for v in row))
+        Console().print(table)
+
+
 @cli.command()
 @click.argument("action", required=False, type=click.Choice(["delete"]))
 @click.argument("run_id", required=False)
@@ -242,7 +284,6 @@ def runs(action, run_id, fmt, store):
     """List the runs in the store with their status; `runs delete RUN_ID` removes one."""
     from headgraph.errors import UsageError
     from headgraph.loader.store import RUNS_QUERY
-    from headgraph.queries.runner import print_rows
 
     if action is None:
         if run_id is not None:
@@ -257,7 +298,7 @@ def runs(action, run_id, fmt, store):
     if run_id is None:
         raise UsageError("name the run to delete: headgraph runs delete RUN_ID (ids: headgraph runs)")
     with store.open(read_only=True) as opened:  # a missing embedded store fails here instead of being created
-        if run_id not in {run["id"] for run in opened.runs()}:
+        if not opened.has_run(run_id):
             raise UsageError(f"no run {run_id!r} in {opened.description}; `headgraph runs` lists them")
     with store.open() as opened:
         writer = opened.live_writer(run_id)
@@ -277,12 +318,10 @@ def runs(action, run_id, fmt, store):
 def query(name, run_id, params, list_queries, fmt, store):
     """Run a named Cypher query from the library (headgraph query --list shows them)."""
     from headgraph.errors import UsageError
-    from headgraph.loader.store import Rows
-    from headgraph.queries.runner import load_query, parse_assignments, print_rows, query_names, run_named
+    from headgraph.queries.runner import parse_assignments, query_listing, run_named
 
     if list_queries:
-        listed = [load_query(n) for n in query_names()]
-        print_rows(Rows(["query", "parameters", "purpose"], [[q.name, q.usage(), q.purpose] for q in listed]), fmt)
+        print_rows(query_listing(), fmt)
         return
     if name is None:
         raise UsageError("name a query to run, e.g. headgraph query hubs (headgraph query --list shows them)")
@@ -291,7 +330,7 @@ def query(name, run_id, params, list_queries, fmt, store):
         if given.get("run", run_id) != run_id:
             raise UsageError("give the run once: either --run ID or --param run=ID")
         given["run"] = run_id
-    with store.open(read_only=True) as opened:
+    with store.open(read_only=True) as opened, opened.bounded_reads():
         print_rows(run_named(opened, name, given), fmt)
 
 
@@ -302,9 +341,9 @@ def query(name, run_id, params, list_queries, fmt, store):
 @store_options
 def cypher(statement, params, fmt, store):
     """Run ad-hoc read-only Cypher against the store (writes are refused)."""
-    from headgraph.queries.runner import parse_assignments, parse_values, print_rows
+    from headgraph.queries.runner import parse_assignments, parse_values
 
-    with store.open(read_only=True) as opened:
+    with store.open(read_only=True) as opened, opened.bounded_reads():
         print_rows(opened.read(statement, parse_values(parse_assignments(params))), fmt)
 
 
@@ -380,8 +419,8 @@ def report_command(run, classes_name, out_dir, policy, store):
     from rich.progress import Progress
 
     from headgraph.analysis.classes import load_classes
-    from headgraph.report.report import FIGURE_COUNT, render_report, resolve_run_dir
-    from headgraph.runs import load_run
+    from headgraph.report.report import FIGURE_COUNT, render_report
+    from headgraph.runs import load_run, resolve_run_dir
 
     loaded = load_run(resolve_run_dir(run, store))
     classes = load_classes(classes_name) if classes_name else None
@@ -403,7 +442,8 @@ def view_command(run, no_open, store):
     import webbrowser
 
     from headgraph.errors import UsageError
-    from headgraph.report.report import report_page, resolve_run_dir
+    from headgraph.report.report import report_page
+    from headgraph.runs import resolve_run_dir
 
     path, rendered = report_page(resolve_run_dir(run, store))
     if rendered:
@@ -454,8 +494,7 @@ def compare_command(run_a, run_b, changes, limit, as_json, policy, store):
     import json
 
     from headgraph.report.compare import compare_runs, comparison_json, print_comparison
-    from headgraph.report.report import resolve_run_dir
-    from headgraph.runs import load_run
+    from headgraph.runs import load_run, resolve_run_dir
 
     comparison = compare_runs(load_run(resolve_run_dir(run_a, store)), load_run(resolve_run_dir(run_b, store)),
                               policy, changes)

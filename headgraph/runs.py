@@ -20,7 +20,7 @@ import pandas as pd
 
 from headgraph._version import __version__
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, read_table
-from headgraph.errors import UsageError
+from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
 
 FORMAT_VERSION = 4
@@ -272,3 +272,26 @@ def load_run(run_dir) -> Run:
         raise UsageError(f"{path / RUN_FILE} lacks the isotropic reference of {', '.join(unreferenced)}; "
                          f"rerun `headgraph analyze` into '{path}'")
     return run
+
+
+def resolve_run_dir(run: str, store) -> Path:
+    """A run folder from RUN: a folder path, or the id of a stored run whose record names its folder.
+
+    store: what opens the store (a headgraph.loader.open_store.StoreSpec), opened read-only only when RUN is not a
+    folder; the store's `run_params(id)` gives the run.json text it holds of the run (None: no such run)."""
+    path = Path(run)
+    if path.is_dir() or "/" in run or "\\" in run:
+        return path
+    try:
+        opened = store.open(read_only=True)
+    except StoreUnavailable as e:
+        raise StoreUnavailable(f"'{run}' is not a run folder, and as a run id: {e}") from e
+    with opened:
+        text, where = opened.run_params(run), opened.description
+    if text is None:
+        raise UsageError(f"'{run}' is neither a run folder nor a run id in {where}; `headgraph runs` lists the ids")
+    folder = RunRecord.from_json(json.loads(text or "{}"), f"the record of run '{run}' in {where}").out_dir
+    if not folder or not Path(folder).is_dir():
+        raise UsageError(f"run '{run}' does not record an existing run folder ({folder or 'none'}); "
+                         "pass the folder that `headgraph analyze --out` wrote")
+    return Path(folder)

@@ -211,10 +211,9 @@ def run_analyze(model, options: AnalyzeOptions, console: Console | None = None, 
     model: a name or folder, or a model already loaded (a transformers PreTrainedModel, with `tokenizer` or the
     one saved beside it, or a TransformerBridge): headgraph.loader.models.load_model takes each the same way."""
     start = time.perf_counter()
-    from headgraph.analysis.classes import load_classes
+    from headgraph.analysis.classes import default_classes, load_classes
     from headgraph.loader.models import describe_model
     from headgraph.pipeline import checked_pk_options
-    from headgraph.report.report import default_classes
 
     console = console or Console(stderr=True)
     options = dataclasses.replace(options, pk=checked_pk_options(options.pk))  # the device resolved, once

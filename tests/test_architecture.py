@@ -2,6 +2,7 @@
 TYPE_CHECKING imports count), no import against the layers below, and one definition site for the vocabulary."""
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -117,6 +118,32 @@ def test_the_vocabulary_is_defined_once():
         "heads": {"WeightType", "WEIGHT_TYPES", "TYPE_PAIRS", "COMPOSITION_TYPES", "DEFAULT_TYPES"}}
     literal = '("Q", "K", "V", "O")'
     assert [p.name for p in PACKAGE.rglob("*.py") if literal in p.read_text()] == []
+
+
+CYPHER = re.compile(r"\b(?:MATCH|MERGE|CREATE)\s*\(|\bDETACH\s+DELETE\b|\bRETURN\s")
+CYPHER_ROOMS = {"loader", "queries"}  # the stores and the named queries; everything else calls their functions
+
+
+def cypher_literals(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string literal in `source` that reads as Cypher (MATCH (, MERGE (, CREATE (,
+    DETACH DELETE, RETURN ); a documentation string (a string standing alone as a statement) is not one."""
+    tree = ast.parse(source)
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs and CYPHER.search(n.value)]
+
+
+def test_cypher_lives_in_the_stores_and_the_named_queries_only():
+    found = {f"{module_name(p)}:{line}": text.strip()[:60] for p in PACKAGE.rglob("*.py")
+             if room(module_name(p)) not in CYPHER_ROOMS for line, text in cypher_literals(p.read_text())}
+    assert found == {}
+
+
+def test_the_cypher_check_catches_cypher():
+    source = ('ROWS = """\nMATCH (r:Run) RETURN r.params\n"""\n'
+              'def drop(name):\n    """Removes it with DETACH DELETE (no MATCH ( here counts)."""\n'
+              '    return f"MERGE (m:Model {{name: {name}}})", "RETURN 1", "MATCH (a)-[e]->(b) DETACH DELETE e"\n')
+    assert [line for line, _ in cypher_literals(source)] == [1, 6, 6, 6]
 
 
 def test_the_cli_process_settings_reach_torch():

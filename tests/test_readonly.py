@@ -5,11 +5,13 @@ have done nothing: no file read (its content is in no output) or written, no fol
 (a real gcc-built shared library whose constructor writes a marker), no URL fetched (a local HTTP server
 counts requests), no transaction killed (another client's open write transaction still commits). Both layers
 of the policy refuse on their own: the statement check, and the engine's plan of the statement. Ordinary
-reads and every named query still run, and `query paths` on a dense run stops at a bound, under 1 GB RSS.
+reads and every named query still run, and `query paths` on a dense run stops at a bound, under 1 GB RSS; so do
+string and list functions, which allocate outside the embedded store's buffer pool, and large results.
 Neo4j tests use the real server (fixture neo4j_config), never mocked, never skipped.
 """
 
 import http.server
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from headgraph.errors import ReadOnlyViolation
 from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.open_store import open_store
-from headgraph.loader.readonly import check_ladybug_plan, check_neo4j_plan
+from headgraph.loader.readonly import READ_MEMORY, check_ladybug_plan, check_neo4j_plan
 from headgraph.queries.runner import load_query, query_names, run_named
 
 SESSION = f"rotest-{uuid.uuid4().hex[:6]}"
@@ -374,12 +376,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def run_measured(args, tmp_path):
+def run_measured(args, tmp_path, env=None):
     """(exit code, stdout, stderr, peak RSS in bytes) of `python -m headgraph ARGS` in its own process."""
     out, err, peak = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "peak-kib"
     command = [sys.executable, "-c", MEASURE, str(peak), sys.executable, "-m", "headgraph", *args]
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.run(command, stdout=stdout, stderr=stderr).returncode
+        code = subprocess.run(command, stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})}).returncode
     return code, out.read_text(), err.read_text(), int(peak.read_text()) * 1024
 
 
@@ -402,6 +404,42 @@ def test_paths_on_a_dense_embedded_run_stays_under_1_gb(tmp_path):
     code, out, err, peak = run_measured([*PATHS, "--db", str(path)], tmp_path)
     assert peak < 2**30, f"peak RSS {peak / 2**20:.0f} MiB"
     assert_bounded(code, out, err)
+
+
+def assert_held(code, out, err):
+    """One line naming what a read may add to the process, exit 2, nothing printed."""
+    assert (code, out) == (2, "") and err.count("\n") == 1, (code, out[:200], err[-2000:])
+    assert f"more memory than the {READ_MEMORY >> 20} MiB a read may add to this process" in err and "narrow it" in err
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "RETURN size(lpad('x', 1500000000, 'y'))",  # unbounded: 2.1 GB, until the buffer pool refused the string
+        "RETURN size(range(1, 400000000))",  # unbounded: 4.2 GB, and the answer after 18 s
+        "RETURN size(list_transform(range(1, 100000000), x -> x * 2))",  # unbounded: 2.1 GB, and the answer
+        "UNWIND range(1, 200) AS i RETURN range(1, 100000) AS r",  # the rows made in Python: unbounded 1.4 GB
+    ],
+    ids=["lpad", "range", "list-function", "result-rows"],
+)
+def test_an_embedded_read_cannot_grow_the_process_past_its_bound(tmp_path, lbdb, statement):
+    code, out, err, peak = run_measured(["cypher", statement, "--db", lbdb, "--format", "csv"], tmp_path)
+    assert_held(code, out, err)
+    assert peak < 2**30, f"peak RSS {peak / 2**20:.0f} MiB"  # the command's start (~0.2 GB) + READ_MEMORY + pool use
+
+
+@pytest.mark.neo4j
+def test_a_neo4j_read_is_held_to_the_bound_without_aborting(tmp_path, neo4j_config):
+    """A 256 MiB string, which the server builds past its transaction limit: unbounded the client printed it at a
+    2.3 GB peak; under RLIMIT_DATA while the driver decodes it, its Rust decoder aborted the process (SIGABRT).
+    The check after the record lets the process hold it once (inbox, decoder, str), then stops with one line."""
+    config = neo4j_config
+    statement = "RETURN reduce(s = 'x', i IN range(1, 28) | s + s) AS s"
+    code, out, err, peak = run_measured(["cypher", statement, "--neo4j", config["uri"], "--neo4j-user",
+                                         config["user"], "--format", "csv"], tmp_path,
+                                        env={"NEO4J_PASSWORD": config["password"]})
+    assert_held(code, out, err)
+    assert peak < 1.25 * 2**30, f"peak RSS {peak / 2**20:.0f} MiB"
 
 
 @pytest.mark.neo4j

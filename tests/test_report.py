@@ -15,8 +15,8 @@ from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import main
 from headgraph.errors import UsageError
-from headgraph.report.report import render_report, resolve_run_dir, role_counts_by_layer
-from headgraph.runs import RunRecord, load_run
+from headgraph.report.report import render_report, role_counts_by_layer
+from headgraph.runs import RunRecord, load_run, resolve_run_dir
 
 TOP_K = 5
 FIGURES = ("fig_pk_distributions", "fig_kl_heatmap", "fig_pk_vs_cs", "fig_topk_graph", "fig_roles", "fig_hubs")

@@ -185,10 +185,12 @@ def test_runs_and_models_live_side_by_side_and_delete_removes_one(store, tables)
     assert len(stored_edges(store, first)) == 15 and len(stored_edges(store, second)) == 30
     models = "MATCH (m:Model) WHERE m.name = $name RETURN count(m)"
     assert store.read(models, {"name": model_b}).rows == [[1]]
+    assert store.has_run(second) and json.loads(store.run_params(second))["model"]["name"] == model_b
 
     assert store.delete_run(second) is True
     assert store.delete_run(second) is False
     assert len(stored_edges(store, second)) == 0 and count_heads(store, second) == 0
+    assert not store.has_run(second) and store.run_params(second) is None and store.has_run(first)
     assert store.read(models, {"name": model_b}).rows == [[0]]  # no run uses it any more
     assert len(stored_edges(store, first)) == 15
 

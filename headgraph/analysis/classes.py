@@ -60,6 +60,12 @@ def _parse(data, origin: str) -> HeadClasses:
                        data.get("model"), classes)
 
 
+def default_classes(model: str) -> HeadClasses | None:
+    """The known classes of a model, where the project ships them (GPT-2 small: the PK paper's colouring); None
+    for every other model, which says nothing about whether it has classes."""
+    return load_classes("pk-paper") if str(model).split("/")[-1] == "gpt2" else None
+
+
 def load_classes(name_or_path: str) -> HeadClasses:
     """A built-in class set (`ioi`, `pk-paper`) or a JSON file of the documented form."""
     if name_or_path in BUILTIN:

@@ -44,6 +44,7 @@ from headgraph.loader.readonly import (
 )
 from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
+    DELETE_RUN_STATEMENTS,
     EDGE_PROPERTIES,
     HEAD_PROPERTIES,
     MODEL_PROPERTIES,
@@ -55,6 +56,7 @@ from headgraph.loader.store import (
 )
 
 LOCK_TIMEOUT_S = 10.0
+DELETE_HEADS_STATEMENT = "MATCH (h:Head) WHERE h.run_id = $run DETACH DELETE h"
 _ARROW_TYPES = {
     "STRING": pa.string(),
     "INT64": pa.int64(),
@@ -224,6 +226,8 @@ class LadybugStore(GraphStore):
                 raise ReadOnlyViolation("refused: the query would write; only reads run here") from None
             if message == "Interrupted.":
                 raise time_exceeded() from None
+            if message == "std::bad_alloc":  # an allocation outside the buffer pool failed (see bounded_memory)
+                raise MemoryError(message) from None
             if message.startswith("Buffer manager exception"):
                 size = f"{READ_BUFFER_POOL >> 20} MiB " if self.read_only else ""
                 raise memory_exceeded(f"the embedded store's {size}buffer pool") from None
@@ -251,14 +255,9 @@ class LadybugStore(GraphStore):
             self._conn.execute("CHECKPOINT")
 
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
-        check_run_id(run_id)
-        found = self.read("MATCH (r:Run) WHERE r.id = $run RETURN count(r)", {"run": run_id}).rows[0][0]
-        self._write(
-            [
-                ("MATCH (h:Head) WHERE h.run_id = $run DETACH DELETE h", {"run": run_id}),
-                ("MATCH (r:Run) WHERE r.id = $run DETACH DELETE r", {"run": run_id}),
-                ("MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m", {}),
-            ]
-        )
+        """Heads, edges, the Run and unused Models in one transaction, then a checkpoint."""
+        found = self.has_run(check_run_id(run_id))
+        params = {"run": run_id}
+        self._write([(DELETE_HEADS_STATEMENT, params), *((statement, params) for statement in DELETE_RUN_STATEMENTS)])
         self._make_durable()
-        return found > 0
+        return found

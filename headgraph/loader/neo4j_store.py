@@ -1,6 +1,9 @@
 """The Neo4j store: uniqueness constraints and indexes created before loading, batched managed transactions,
 reads in READ_ACCESS sessions, checked and bounded by headgraph.loader.readonly (plan allow-list, transaction
-timeout; no driver retries, so a bound that is hit fails at once with one line).
+timeout; no driver retries, so a bound that is hit fails at once with one line). The client's memory is bounded
+as the embedded store's (`bounded_reads`), except while the driver decodes records: under RLIMIT_DATA its Rust
+PackStream decoder aborts the process when a value does not fit (a 256 MiB string did), so there the bound is
+checked after each batch of records instead (readonly.checked_memory).
 
 Edge load speed (250k edges, 14 properties each, 2 cores; benchmarks/bench_load.py): the client was the
 bottleneck: packing 5k rows as dicts took 0.33 s in the pure-Python PackStream encoder. With the Rust
@@ -27,6 +30,7 @@ from headgraph.heads import check_type_pair
 from headgraph.loader.readonly import (
     check_neo4j_plan,
     check_statement,
+    checked_memory,
     memory_exceeded,
     neo4j_memory_bound,
     query_timeout,
@@ -34,6 +38,7 @@ from headgraph.loader.readonly import (
 )
 from headgraph.loader.store import (
     DEFAULT_BATCH_SIZE,
+    DELETE_RUN_STATEMENTS,
     EDGE_PROPERTIES,
     GraphStore,
     Rows,
@@ -49,6 +54,11 @@ SCHEMA = (
     "CREATE INDEX head_name IF NOT EXISTS FOR (h:Head) ON (h.name)",
     "CREATE INDEX run_status IF NOT EXISTS FOR (r:Run) ON (r.status)",
 )
+HIDE_RUN_STATEMENT = ("MATCH (r:Run) WHERE r.id = $run SET r.status = 'deleting', r.writer_host = $writer_host, "
+                      "r.writer_pid = $writer_pid, r.writer_started = $writer_started RETURN count(r)")
+DELETE_EDGES_BATCH = "MATCH (:Head {run_id: $run})-[e]->() WITH e LIMIT $n DELETE e RETURN count(*)"
+DELETE_HEADS_BATCH = "MATCH (h:Head {run_id: $run}) WITH h LIMIT $n DETACH DELETE h RETURN count(*)"
+CHECKED_ROWS = 1000  # the driver's fetch size: the process's memory is checked once per batch of records
 ACCESS_MODE_CODES = ("Neo.ClientError.Statement.AccessMode", "Neo.ClientError.General.ForbiddenOnReadOnlyDatabase")
 
 
@@ -200,8 +210,13 @@ class Neo4jStore(GraphStore):
             with self._session(neo4j.READ_ACCESS) as session, session.begin_transaction(timeout=query_timeout()) as tx:
                 summary = tx.run(f"EXPLAIN {statement}", values).consume()
                 check_neo4j_plan(summary.query_type, summary.plan)
-                result = tx.run(statement, values)
-                return Rows(list(result.keys()), [[_plain(v) for v in record.values()] for record in result])
+                with checked_memory() as check:
+                    result, rows = tx.run(statement, values), []
+                    for record in result:
+                        rows.append([_plain(v) for v in record.values()])
+                        if len(rows) % CHECKED_ROWS == 0:
+                            check()
+                return Rows(list(result.keys()), rows)
 
         try:
             return self._guarded(run)
@@ -210,6 +225,8 @@ class Neo4jStore(GraphStore):
                 raise time_exceeded() from None
             if e.code == "Neo.TransientError.General.MemoryPoolOutOfMemoryError":
                 raise memory_exceeded(neo4j_memory_bound(first_line(e))) from None
+            if e.code == "Neo.TransientError.General.OutOfMemoryError":  # past the tracking, out of the server's heap
+                raise memory_exceeded("the Neo4j server's heap") from None
             raise UsageError(f"Neo4j rejected the query: {first_line(e)}") from None
 
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
@@ -217,17 +234,9 @@ class Neo4jStore(GraphStore):
         for abandoned while it goes), then delete edges and heads in batches, then the Run."""
         check_run_id(run_id)
         params = {"run": run_id, "n": batch_size, **Writer.current().row()}
-        hide = ("MATCH (r:Run {id: $run}) SET r.status = 'deleting', r.writer_host = $writer_host, "
-                "r.writer_pid = $writer_pid, r.writer_started = $writer_started RETURN count(r)")
-        found = self._write_count(hide, params)
-        while self._write_count("MATCH (:Head {run_id: $run})-[e]->() WITH e LIMIT $n DELETE e RETURN count(*)", params):
-            pass
-        while self._write_count("MATCH (h:Head {run_id: $run}) WITH h LIMIT $n DETACH DELETE h RETURN count(*)", params):
-            pass
-        self._write(
-            [
-                ("MATCH (r:Run {id: $run}) DETACH DELETE r", params),
-                ("MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m", {}),
-            ]
-        )
+        found = self._write_count(HIDE_RUN_STATEMENT, params)
+        for batch in (DELETE_EDGES_BATCH, DELETE_HEADS_BATCH):
+            while self._write_count(batch, params):
+                pass
+        self._write([(statement, params) for statement in DELETE_RUN_STATEMENTS])
         return found > 0

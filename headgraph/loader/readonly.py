@@ -29,20 +29,35 @@ Bounds on what is allowed (`time_exceeded`, `memory_exceeded`: one line, exit 2,
   results too: `query paths` from L0 to L11 of a dense run (152,064 edges) grew past 3.6 GB RSS in 95 s
   with the default pool (80% of the machine's memory); with 512 MiB it stops after ~11 s at 0.67 GB;
 - on Neo4j the server bounds a transaction's memory: `db.memory.transaction.max` (the local server sets
-  256 MiB), else the shared `dbms.memory.transaction.total.max` (70% of the heap).
+  256 MiB), else the shared `dbms.memory.transaction.total.max` (70% of the heap); what escapes its tracking
+  and fills the server's heap is `Java heap space`, named as such;
+- `headgraph cypher` / `query` hold the process in `bounded_memory()` once the store is open: on Linux it may
+  map at most READ_MEMORY more private memory (RLIMIT_DATA, which counts malloc and anonymous mmap alike), so
+  neither engine's functions nor the result rows can grow it further. String and list functions allocate
+  outside LadybugDB's buffer pool: `RETURN size(lpad('x', 1500000000, 'y'))` grew the process to 2.1 GB
+  (only then did the pool refuse the copy), `RETURN size(range(1, 400000000))` to 4.2 GB (and answered);
+  bounded, both stop at once below 0.5 GB. A process's peak is thus the memory it held when the store was
+  opened (~0.2 GB for the CLI), the buffer pool (512 MiB) and READ_MEMORY. On Neo4j the driver decodes records
+  in this process too; its Rust decoder aborts the process when an allocation fails, so there the bound is
+  checked after each batch of records instead (`checked_memory`): one record passes it by its own size.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
+
+import psutil
 
 from headgraph.errors import ReadOnlyViolation, UsageError
 
 QUERY_TIMEOUT_S = 30.0
 READ_BUFFER_POOL = 512 * 2**20
+READ_MEMORY = 512 * 2**20
 READ_CLAUSES = frozenset({"MATCH", "OPTIONAL", "UNWIND", "WITH", "RETURN"})
 LADYBUG_UNPLANNABLE = frozenset({"LOAD", "CALL"})
 LADYBUG_READ_OPERATORS = frozenset({
@@ -206,3 +221,66 @@ def neo4j_memory_bound(message: str) -> str:
     """The limit a Neo4j MemoryPoolOutOfMemoryError names: "Neo4j's limit db.memory.transaction.max (256.0 MiB)"."""
     match = _NEO4J_MEMORY_LIMIT.search(message)
     return f"Neo4j's limit {match.group(2)} ({match.group(1)})" if match else "Neo4j's transaction memory limit"
+
+
+def _data_memory() -> int:
+    """The private memory the process maps (Linux: data and stack pages, what RLIMIT_DATA counts)."""
+    return psutil.Process().memory_info().data
+
+
+_bounds: list[tuple[int, tuple[int, int]]] = []
+"""(ceiling, RLIMIT_DATA before it) of each bounded_memory() block running now, innermost last."""
+
+
+def _bound_exceeded() -> UsageError:
+    return memory_exceeded(f"the {READ_MEMORY >> 20} MiB a read may add to this process")
+
+
+@contextmanager
+def bounded_memory() -> Iterator[None]:
+    """Run the block with at most READ_MEMORY more private memory than the process maps now (RLIMIT_DATA, on
+    Linux; elsewhere unbounded); a MemoryError inside it becomes `memory_exceeded`. Enter it once the store is
+    open: LadybugDB maps its buffer pool's whole address range (untouched, 8 TB) when it opens. The limit the
+    process had before is restored on the way out."""
+    if sys.platform != "linux":
+        yield
+        return
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    ceiling = min([_data_memory() + READ_MEMORY, *(v for v in before if v != resource.RLIM_INFINITY)])
+    resource.setrlimit(resource.RLIMIT_DATA, (ceiling, before[1]))
+    _bounds.append((ceiling, before))
+    try:
+        yield
+    except MemoryError:
+        raise _bound_exceeded() from None
+    finally:
+        _bounds.pop()
+        resource.setrlimit(resource.RLIMIT_DATA, before)
+
+
+@contextmanager
+def checked_memory() -> Iterator[Callable[[], None]]:
+    """For code that aborts the process when an allocation fails instead of raising MemoryError (the Neo4j
+    driver's Rust decoder does): inside a bounded_memory() block its RLIMIT_DATA is lifted while the block runs,
+    and the check this yields (call it between steps, e.g. batches of records) and the block's end raise
+    `memory_exceeded` once the process maps more than the ceiling. A step overshoots it by what it allocates
+    itself. Outside bounded_memory() the check does nothing."""
+    if not _bounds:
+        yield lambda: None
+        return
+    import resource
+
+    ceiling, before = _bounds[-1]
+
+    def check() -> None:
+        if _data_memory() > ceiling:
+            raise _bound_exceeded()
+
+    resource.setrlimit(resource.RLIMIT_DATA, before)
+    try:
+        yield check
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (ceiling, before[1]))
+    check()

@@ -23,7 +23,7 @@ import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ import psutil
 from headgraph.analysis.artifacts import records
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import check_type_pair
+from headgraph.loader.readonly import bounded_memory
 
 DEFAULT_DB = "./headgraph.lbdb"
 DEFAULT_BATCH_SIZE = 5000
@@ -158,6 +159,14 @@ LATEST_RUN_QUERY = """
 MATCH (r:Run) WHERE r.status = 'complete'
 RETURN r.id AS id ORDER BY r.created DESC, r.id DESC LIMIT 1
 """
+RUN_COUNT_QUERY = "MATCH (r:Run) WHERE r.id = $run RETURN count(r) AS runs"
+RUN_PARAMS_QUERY = "MATCH (r:Run) WHERE r.id = $run RETURN r.params AS params"
+SEAL_RUN_STATEMENT = "MATCH (r:Run) WHERE r.id = $run AND r.status = 'loading' SET r.status = 'complete' RETURN count(r)"
+DELETE_RUN_STATEMENTS = (
+    "MATCH (r:Run) WHERE r.id = $run DETACH DELETE r",
+    "MATCH (m:Model) WHERE NOT EXISTS { MATCH (m)<-[:OF_MODEL]-(:Run) } DELETE m",
+)
+"""The end of every `delete_run` (parameter `run`), in one transaction: the Run node, then each Model no run uses."""
 
 
 def head_property_type(name: str) -> str:
@@ -285,6 +294,11 @@ class GraphStore(ABC):
     def read(self, cypher: str, params: Mapping[str, Any] | None = None) -> Rows:
         """Run a read-only query; a write attempt raises ReadOnlyViolation, a bad query UsageError."""
 
+    def bounded_reads(self) -> AbstractContextManager[None]:
+        """A block in which reads, and what is made of their rows, may add at most READ_MEMORY to this process
+        (`headgraph cypher` and `query` read and print in one): headgraph.loader.readonly.bounded_memory."""
+        return bounded_memory()
+
     @abstractmethod
     def _write(self, statements: list[tuple[str, dict[str, Any]]]) -> None:
         """Run the statements in one write transaction (all or nothing)."""
@@ -373,8 +387,7 @@ class GraphStore(ABC):
                 f"run {run_id} was changed while it was being stored ({stored['heads']} of {expected['heads']} heads, "
                 f"{stored['edges']} of {expected['edges']} edges present; was it deleted?); run `headgraph analyze` again"
             )
-        flip = "MATCH (r:Run) WHERE r.id = $run AND r.status = 'loading' SET r.status = 'complete' RETURN count(r)"
-        if self._write_count(flip, {"run": run_id}) != 1:
+        if self._write_count(SEAL_RUN_STATEMENT, {"run": run_id}) != 1:
             raise StoreUnavailable(f"run {run_id} was deleted while it was being stored; run `headgraph analyze` again")
         self._make_durable()
 
@@ -405,6 +418,16 @@ class GraphStore(ABC):
     def runs(self) -> list[dict[str, Any]]:
         """Every run in the store (complete or not), oldest first."""
         return self.read(RUNS_QUERY).records()
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether the store holds a Run `run_id`, complete or not."""
+        return self.read(RUN_COUNT_QUERY, {"run": run_id}).rows[0][0] > 0
+
+    def run_params(self, run_id: str) -> str | None:
+        """The run.json text stored with run `run_id` ('' for a run stored without one), or None when the store
+        holds no such run."""
+        rows = self.read(RUN_PARAMS_QUERY, {"run": run_id}).rows
+        return (rows[0][0] or "") if rows else None
 
     def latest_run(self) -> str | None:
         """The id of the most recently created complete run, or None."""

@@ -1,4 +1,5 @@
-"""The named Cypher query library: parse each file's header, check and cast parameters, run, format.
+"""The named Cypher query library: parse each file's header, check and cast parameters, run; the rows come back
+as data (`Rows`: columns and row lists), which the caller prints.
 
 A query file starts with `//` comment lines: free text (its purpose), then one line per parameter:
 
@@ -13,18 +14,11 @@ which defaults to the sweep of the latest complete run that belongs to one.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
-
-import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS
@@ -142,6 +136,12 @@ def load_query(name: str) -> NamedQuery:
     return parse_query(name, resources.files("headgraph.queries").joinpath(f"{name}.cypher").read_text())
 
 
+def query_listing() -> Rows:
+    """Every named query as rows of its name, its parameters (usage) and its purpose."""
+    listed = [load_query(name) for name in query_names()]
+    return Rows(["query", "parameters", "purpose"], [[q.name, q.usage(), q.purpose] for q in listed])
+
+
 def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     """`key=value` strings (from --param) as a dict; a malformed one raises UsageError."""
     out = {}
@@ -191,7 +191,7 @@ def bind_params(query: NamedQuery, given: dict[str, str], store: GraphStore) -> 
         elif p.default is not None:
             bound[p.name] = p.cast(p.default)
     for name in sorted(RUN_PARAMS & set(given) & set(declared)):  # a run named by hand must be stored
-        if not store.read("MATCH (r:Run) WHERE r.id = $id RETURN r.id", {"id": bound[name]}).rows:
+        if not store.has_run(bound[name]):
             raise UsageError(f"no run {bound[name]!r} in {store.description}; `headgraph runs` lists them")
     if "sweep" in given and "sweep" in declared and not store.read(SWEEP_EXISTS_QUERY, {"sweep": bound["sweep"]}).rows:
         raise UsageError(f"no sweep {bound['sweep']!r} in {store.description}; `headgraph runs` lists the runs")
@@ -213,45 +213,3 @@ def run_named(store: GraphStore, name: str, params: dict[str, str] | None = None
     query = load_query(name)
     return store.read(query.cypher, bind_params(query, params or {}, store))
 
-
-# --- output ------------------------------------------------------------------------------------------
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(_cell(v) for v in value)
-    if isinstance(value, dict):
-        return json.dumps(value, default=str)
-    return str(value)
-
-
-def format_rows(rows: Rows, fmt: str) -> str | Table:
-    """`json`: a JSON list of row objects; `csv`: header + rows (lists joined by ';'); `table`: a rich Table."""
-    if fmt == "json":
-        return json.dumps(rows.records(), indent=2, default=str)
-    if fmt == "csv":
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(rows.columns)
-        for row in rows.rows:
-            writer.writerow(["; ".join(map(str, v)) if isinstance(v, list) else ("" if v is None else v) for v in row])
-        return buffer.getvalue()
-    if fmt == "table":
-        table = Table(*rows.columns, show_lines=False)
-        for row in rows.rows:
-            table.add_row(*(escape(_cell(v)) for v in row))
-        return table
-    raise UsageError(f"unknown format {fmt!r}: use table, json or csv")
-
-
-def print_rows(rows: Rows, fmt: str, console: Console | None = None) -> None:
-    """Write rows to stdout in the chosen format (tables through rich, json/csv as plain text)."""
-    out = format_rows(rows, fmt)
-    if isinstance(out, str):
-        click.echo(out, nl=not out.endswith("\n"))
-    else:
-        (console or Console()).print(out)

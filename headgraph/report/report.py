@@ -7,7 +7,6 @@ The table builders take a run folder read by headgraph.runs.load_run (or DataFra
 import base64
 import contextlib
 import html
-import json
 import math
 import multiprocessing
 import os
@@ -21,17 +20,16 @@ import numpy as np
 import pandas as pd
 
 from headgraph.analysis.artifacts import role_names, roles_of
-from headgraph.analysis.classes import load_classes
+from headgraph.analysis.classes import default_classes
 from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
                                            evaluate_pairs)
 from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
-from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
 from headgraph.report.interactive import MAX_EDGES, interactive_graph
 from headgraph.analysis.stability import role_flips, summary_rows
-from headgraph.runs import Run, RunRecord, load_run, read_stability
+from headgraph.runs import Run, load_run, read_stability
 
 DEFAULT_EVAL_K = 20
 
@@ -268,11 +266,6 @@ def _kl_table(kl):
     return pd.DataFrame([[kl[s + t] for t in WEIGHT_TYPES] for s in WEIGHT_TYPES],
                         index=pd.Index(WEIGHT_TYPES, name="source \\ target"),
                         columns=list(WEIGHT_TYPES))
-
-
-def default_classes(model):
-    """The known classes for a model, when the project ships them (GPT-2 small: the PK paper's colouring)."""
-    return load_classes("pk-paper") if str(model).split("/")[-1] == "gpt2" else None
 
 
 def class_evaluation(run, classes, top_k):
@@ -554,27 +547,3 @@ def report_page(run_dir):
     if path.is_file():
         return path, False
     return render_report(run_dir)["report.html"], True
-
-
-def resolve_run_dir(run, store):
-    """A run folder from RUN: a folder path, or the id of a stored run whose record names its folder.
-
-    store: a headgraph.loader.open_store.StoreSpec, opened read-only only when RUN is not a folder.
-    """
-    path = Path(run)
-    if path.is_dir() or "/" in run or "\\" in run:
-        return path
-    try:
-        opened = store.open(read_only=True)
-    except StoreUnavailable as e:
-        raise StoreUnavailable(f"'{run}' is not a run folder, and as a run id: {e}") from e
-    with opened:
-        rows = opened.read("MATCH (r:Run {id: $id}) RETURN r.params AS params", {"id": run}).rows
-        where = opened.description
-    if not rows:
-        raise UsageError(f"'{run}' is neither a run folder nor a run id in {where}; `headgraph runs` lists the ids")
-    folder = RunRecord.from_json(json.loads(rows[0][0] or "{}"), f"the record of run '{run}' in {where}").out_dir
-    if not folder or not Path(folder).is_dir():
-        raise UsageError(f"run '{run}' does not record an existing run folder ({folder or 'none'}); "
-                         "pass the folder that `headgraph analyze --out` wrote")
-    return Path(folder)

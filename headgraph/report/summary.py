@@ -140,11 +140,10 @@ def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: fl
     from pathlib import Path
 
     from headgraph.analysis.artifacts import read_table
-    from headgraph.analysis.classes import load_classes
+    from headgraph.analysis.classes import default_classes, load_classes
     from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, PAIR_KEYS, causal_evaluation,
                                                evaluate_pairs)
     from headgraph.errors import UsageError
-    from headgraph.report.report import default_classes
     from headgraph.runs import RUN_FILE, load_run
 
     folder = Path(run_dir)
