@@ -8,7 +8,9 @@ For each model: `local_effects` on every OQ/OK/OV pair over N generated inputs (
 kind: sentence pairs for MiniLM, IOI prompts + repeated random tokens for the decoder) and `loss_effects` on a
 few edges; printed as seconds, seconds per input, pairs per second, and seconds per edge, each measured in
 this one run. The GPT-2-small shape is 12 layers x 12 heads, d_model 768, d_head 64 with a 512-token
-vocabulary (random weights: the cost does not depend on what the weights learned).
+vocabulary (random weights: the cost does not depend on what the weights learned); the Llama shape beside it
+has the same sizes with grouped-query attention (4 KV heads), rotary positions and RMSNorm, patched through the
+bridge's own attention modules (the "module" path), and its cost per pair is printed as a ratio to GPT-2's.
 
 `--analyze N` times the README's main command as whole processes, N times each with causal effects on (the
 default) and off (`--no-causal`), alternating so that a drifting machine moves both alike, and prints the median
@@ -27,10 +29,11 @@ import torch
 
 from headgraph.analysis.causal import causal_inputs, local_effects, loss_effects
 from headgraph.loader.models import load_model
-from headgraph.testing.synthetic import save_synthetic
+from headgraph.testing.synthetic import save_synthetic, save_synthetic_gqa
 
 
-def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> None:
+def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
+    """Print the costs of one model; returns local_effects' seconds per pair and input."""
     inputs = causal_inputs(model, n_inputs)
     tokens = sum(int(x.attention_mask.sum()) for x in inputs)
     started = time.perf_counter()
@@ -44,6 +47,7 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> None:
     print(f"{name}: {n} inputs ({tokens} tokens), {len(local)} pairs")
     print(f"  local_effects {local_s:7.2f} s = {local_s / n:.3f} s per input, {len(local) / local_s:,.0f} pairs/s")
     print(f"  loss_effects  {loss_s:7.2f} s = {loss_s / max(len(edges), 1):.2f} s per edge ({len(edges)} edges)")
+    return local_s / len(local) / n
 
 
 def bench_analyze(runs: int) -> None:
@@ -86,8 +90,13 @@ def main() -> None:
           args.edges, args.boot)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_synthetic(f"{tmp}/gpt2-small-shape", n_layers=12, n_heads=12, d_model=768, d_head=64, vocab=512)
-        bench("GPT-2-small shape", load_model(str(folder), processing="raw", device="cpu"), args.inputs // 2,
-              args.edges, args.boot)
+        gpt2 = bench("GPT-2-small shape", load_model(str(folder), processing="raw", device="cpu"), args.inputs // 2,
+                     args.edges, args.boot)
+        folder = save_synthetic_gqa(f"{tmp}/llama-gqa-shape", n_layers=12, n_heads=12, n_kv_heads=4, d_model=768,
+                                    d_head=64, vocab=512)
+        llama = bench("Llama shape (GQA, 4 KV heads)", load_model(str(folder), processing="raw", device="cpu"),
+                      args.inputs // 2, args.edges, args.boot)
+        print(f"GQA / GPT-2 local cost per pair and input: {llama / gpt2:.2f}x (goal: at most 1.5x)")
 
 
 if __name__ == "__main__":

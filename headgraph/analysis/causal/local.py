@@ -12,8 +12,9 @@ import torch
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
-                                               Batch, Layer, Net, batches, carry, check_counts, input_change,
-                                               network, progress_advance, project, receiver_layer, sender_writes)
+                                               Batch, Layer, Net, batches, carry, check_counts, coupled,
+                                               input_change, network, patched_attention, progress_advance, project,
+                                               receiver_layer, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -129,10 +130,35 @@ def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor
     return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
 
 
+def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Path "module": per-input numerator [S, R, b] of the local effect on every receiver (R query heads for Q,
+    KV heads for K/V, summed over the query heads that read each) when only the receivers' `kind` input reads
+    x [S, b, T, d]."""
+    if coupled(net, recv.layer, kind):  # each receiver patched alone: its rows of its own run
+        runs = [patched_attention(net, batch, recv, kind, x, head) for head in range(net.receivers(kind))]
+        group = 1 if kind == "Q" else net.kv_group
+        pattern = torch.cat([p[:, :, r * group:(r + 1) * group] for r, (p, _) in enumerate(runs)], 2)
+        z = torch.cat([z[:, :, :, r * group:(r + 1) * group] for r, (_, z) in enumerate(runs)], 3)
+    else:
+        pattern, z = patched_attention(net, batch, recv, kind, x)
+    if kind == "V":
+        change = _squared_outputs(net, recv.layer, z.sub_(recv.z))  # [S, b, T, H]
+        sums = (change * batch.real[:, :, None]).sum(2)
+    else:
+        tv = pattern.sub_(recv.pattern).abs_().sum(-1).mul_(0.5)  # [S, b, H, T]
+        sums = (tv * batch.queries[:, None]).sum(-1)
+    sums = sums.transpose(1, 2)  # [S, H, b]
+    group = 1 if kind == "Q" else net.kv_group
+    return sums.reshape(sums.shape[0], -1, group, sums.shape[-1]).sum(2)
+
+
 def _sender_bytes(net: Net, b: int, T: int) -> int:
     """Working bytes of one sender in a batched step over b inputs of length T (float32: the sender writes, the
     patched input and its change, one projection, patched scores, rows and their difference)."""
-    return 4 * b * (5 * T * net.weights["W_O"].shape[-1] + 3 * net.n_heads * T * T)
+    d, e = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2]
+    if net.path == "module":  # the patched input, q/k/v of every head, scores, pattern and their difference
+        return 4 * b * (4 * T * d + 2 * T * (net.n_heads + 2 * net.n_kv_heads) * e + 4 * net.n_heads * T * T)
+    return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
 
 
 def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
@@ -176,15 +202,18 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     net = network(model, sets[0].batch(0, 1))
     L, H = net.n_layers, net.n_heads
     later = np.arange(L)[:, None, None, None] < np.arange(L)[None, None, :, None]
-    pairs = np.nonzero(np.broadcast_to(later, (L, H, L, H)))  # (source layer, head, target layer, head)
-    index = np.full((L, H, L, H), -1)
-    index[pairs] = np.arange(len(pairs[0]))
+    pairs, index = {}, {}
+    for kind in kinds:  # (source layer, head, target layer, receiver): a query head, or a KV head for K/V
+        pairs[kind] = np.nonzero(np.broadcast_to(later, (L, H, L, net.receivers(kind))))
+        index[kind] = np.full((L, H, L, net.receivers(kind)), -1)
+        index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
     n = sum(len(s) for s in sets)
-    num = {kind: np.zeros((len(pairs[0]), n)) for kind in kinds}
+    num = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
     queries, outputs = np.zeros(n), np.zeros((L, H, n))
     advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
-    factor = not net.post_ln and all(net.layer_norm(layer, 1) is not None for layer in range(1, L))
+    factor = (net.path == "recompute" and not net.post_ln
+              and all(net.layer_norm(layer, 1) is not None for layer in range(1, L)))
     kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
     weights = _FactoredWeights(net, kinds, kept) if factor else None
     for batch in batches(net, sets, alternatives, batch_size, advance):
@@ -201,20 +230,31 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                 for layer in range(sender_layer + 1, L):
                     if factored is None:
                         delta = carry(net, batch, layer - 1, delta)
+                    if net.path == "module":
+                        x = net.attention_input(layer, batch.resid[layer] + delta)
+                    elif factored is None:
                         dx = input_change(net, batch, receivers[layer], layer, delta)
-                    rows = index[sender_layer, heads, layer]
                     for kind in kinds:
-                        d = (factored.project(layer, kind) if factored is not None
-                             else project(dx, local_weight(net, layer, kind)))
-                        num[kind][rows, batch.rows] = _local_sums(net, batch, receivers[layer], layer, d, kind).cpu()
-    src_layer, src_head, tgt_layer, tgt_head = pairs
-    names = {"source": [head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())],
-             "target": [head_name(l, h) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())]}
+                        rows = index[kind][sender_layer, heads, layer]
+                        if net.path == "module":
+                            sums = _module_sums(net, batch, receivers[layer], x, kind)
+                        else:
+                            d = (factored.project(layer, kind) if factored is not None
+                                 else project(dx, local_weight(net, layer, kind)))
+                            sums = _local_sums(net, batch, receivers[layer], layer, d, kind)
+                        num[kind][rows, batch.rows] = sums.cpu()
     frames = []
     for kind in kinds:
-        den = outputs[tgt_layer, tgt_head] if kind == "V" else np.broadcast_to(queries, num[kind].shape)
+        src_layer, src_head, tgt_layer, tgt_head = pairs[kind]
+        group = 1 if kind == "Q" else net.kv_group  # query heads reading each receiver
+        if kind == "V":
+            den = outputs.reshape(L, -1, group, n).sum(2)[tgt_layer, tgt_head]
+        else:
+            den = np.broadcast_to(queries * group, num[kind].shape)
         effect, lo, hi = ratio_intervals(num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
         frames.append(pd.DataFrame({
-            "source": pd.Series(names["source"], dtype=str), "target": pd.Series(names["target"], dtype=str),
+            "source": pd.Series([head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())], dtype=str),
+            "target": pd.Series([net.receiver_name(l, h, kind) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())],
+                                dtype=str),
             "source_type": "O", "target_type": kind, "effect": effect, "effect_lo": lo, "effect_hi": hi}))
     return pd.concat(frames, ignore_index=True)[LOCAL_COLUMNS]

@@ -13,8 +13,9 @@ from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
-                                               Layer, Net, batches, carry, check_counts, input_change, network,
-                                               progress_advance, project, receiver_layer, sender_writes)
+                                               PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
+                                               input_change, network, patched_attention, progress_advance, project,
+                                               receiver_layer, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
@@ -22,14 +23,19 @@ from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
 LOSS_COLUMNS = KEY_COLUMNS + ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
-_HEAD = re.compile(r"^L(\d+)H(\d+)$")
+_HEAD = re.compile(r"^L(\d+)(H|KV)(\d+)$")
 
 
-def _parse_head(name, n_layers: int, n_heads: int) -> tuple[int, int]:
+def _parse_head(name, net: Net, kind: str = "O") -> tuple[int, int]:
+    """(layer, head) of a head name: L{l}H{h}, or for a K/V receiver of a grouped-query model its KV head
+    L{l}KV{g} (`Net.receiver_name`)."""
+    kv = net.kv_group > 1 and kind in ("K", "V")
+    heads = net.n_kv_heads if kv else net.n_heads
     m = _HEAD.match(str(name))
-    if not m or int(m[1]) >= n_layers or int(m[2]) >= n_heads:
-        raise UsageError(f"head {name!r} is not L<layer>H<head> within {n_layers} layers x {n_heads} heads")
-    return int(m[1]), int(m[2])
+    if not m or (m[2] == "KV") != kv or int(m[1]) >= net.n_layers or int(m[3]) >= heads:
+        raise UsageError(f"head {name!r} is not L<layer>{'KV' if kv else 'H'}<head> within {net.n_layers} layers "
+                         f"x {heads} {'key/value ' if kv else ''}heads")
+    return int(m[1]), int(m[3])
 
 
 def _parse_edges(edges: pd.DataFrame, net: Net) -> list[tuple[int, int, int, int, str]]:
@@ -43,21 +49,30 @@ def _parse_edges(edges: pd.DataFrame, net: Net) -> list[tuple[int, int, int, int
         if kind not in COMPOSITION_TYPES:
             raise UsageError(f"edge {source} -> {target}: causal effects are defined for "
                              f"{', '.join(COMPOSITION_TYPES)}, not {kind!r}")
-        (ls, hs), (lr, hr) = (_parse_head(h, net.n_layers, net.n_heads) for h in (source, target))
+        (ls, hs), (lr, hr) = _parse_head(source, net), _parse_head(target, net, str(target_type))
         if ls >= lr:
             raise UsageError(f"edge {source} -> {target}: the source's layer must come before the target's")
         parsed.append((ls, hs, lr, hr, str(target_type)))
     return parsed
 
 
-def _head_change(net: Net, recv: Layer, layer: int, dx: torch.Tensor, kind: str, head: int) -> torch.Tensor:
-    """Change of one receiver head's z [b, T, e] when only its `kind` input reads the changed input dx [1, b, T, d]."""
+def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind: str, head: int
+                 ) -> tuple[slice, torch.Tensor]:
+    """(the query heads that read receiver `head`, the change of their z [b, T, h, e]) when only the receiver's
+    `kind` input sees the residual change delta [1, b, T, d]: one query head for Q, the KV head's group for K/V."""
+    layer = recv.layer
+    if net.path == "module":
+        x = net.attention_input(layer, batch.resid[layer] + delta)
+        group = 1 if kind == "Q" else net.kv_group
+        heads = slice(head * group, (head + 1) * group)
+        _, z = patched_attention(net, batch, recv, kind, x, head if coupled(net, layer, kind) else None)
+        return heads, (z[0, :, :, heads] - recv.z[:, :, heads])
     heads = slice(head, head + 1)
-    d = project(dx, net.weights[f"W_{kind}"][layer, heads])
+    d = project(input_change(net, batch, recv, layer, delta), net.weights[f"W_{kind}"][layer, heads])
     if kind == "V":
-        return value_change(recv, d, heads)[0, :, :, 0]
+        return heads, value_change(recv, d, heads)[0]
     new = patched_pattern(net, recv, d, kind, heads)[0, :, 0]
-    return torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])
+    return heads, torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])[:, :, None]
 
 
 def _plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
@@ -95,21 +110,21 @@ class _Logits:
         return out.view(*hidden.shape[:2], -1)
 
 
-def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, int, torch.Tensor]],
+def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, slice, torch.Tensor]],
                      logits: _Logits | None = None) -> torch.Tensor:
     """Logits (decoder) or final hidden states (encoder) [1 + G, T, .] of one input (`inputs`, one row, no
-    padding) in one forward pass: row 0 clean, row 1 + g with head changes[g][1] of layer changes[g][0] (layers
-    in ascending order) with its z changed by changes[g][2] [T, e], the rest of the model run on it. With
+    padding) in one forward pass: row 0 clean, row 1 + g with the heads changes[g][1] of layer changes[g][0]
+    (layers in ascending order) with their z changed by changes[g][2] [T, h, e], the rest of the model run on it. With
     `logits` (a decoder's plain unembedding), the pass stops at the unembedding's input and `logits` computes them.
 
     Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
     once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
     from transformer_lens.model_bridge.exceptions import StopAtLayerException
 
-    joining = {}  # layer -> (first row, heads, dz [k, T, e]) of the copies that join there
-    for g, (layer, head, dz) in enumerate(changes):
+    joining = {}  # layer -> (first row, head slices, dz [T, h, e] each) of the copies that join there
+    for g, (layer, changed, dz) in enumerate(changes):
         _, heads, dzs = joining.setdefault(layer, (1 + g, [], []))
-        heads.append(head)
+        heads.append(changed)
         dzs.append(dz)
 
     def join(resid, hook):
@@ -119,8 +134,9 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, int
     def patch(z, hook):
         first, heads, dzs = joining[int(hook.name.split(".")[1])]
         z = z.clone()
-        rows = torch.arange(first, first + len(heads), device=z.device)
-        z[rows, :, torch.tensor(heads, device=z.device)] += torch.stack(dzs).to(z.dtype)
+        rows = torch.tensor([first + g for g, h in enumerate(heads) for _ in range(h.start, h.stop)], device=z.device)
+        columns = torch.tensor([i for h in heads for i in range(h.start, h.stop)], device=z.device)
+        z[rows, :, columns] += torch.cat([dz.transpose(0, 1) for dz in dzs]).to(z.dtype)
         return z
 
     def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
@@ -132,10 +148,27 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, int
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
     elif logits is not None:
         hooks.append(("unembed.hook_in", stop))
-    out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                    return_type="logits" if net.causal and logits is None else None,
-                                    **model_kwargs(net.bridge, inputs))
+    grown = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
+             for layer in range(min(joining), net.n_layers)] if joining else []
+    try:
+        out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                        return_type="logits" if net.causal and logits is None else None,
+                                        **model_kwargs(net.bridge, inputs))
+    finally:
+        for handle in grown:
+            handle.remove()
     return out if logits is None else logits(out)
+
+
+def _grown_rows(module, args, kwargs):
+    """An attention call inside a grown pass gets its per-row position terms (BLOOM's ALiBi bias, [rows * heads,
+    1, T], made for the one input) repeated for every row; the rest broadcast as they are."""
+    rows = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0]
+    for name in PER_ROW_HEAD:
+        bias = kwargs.get(name)
+        if torch.is_tensor(bias) and bias.shape[0] < rows * module.config.n_heads:
+            kwargs[name] = bias.repeat(rows * module.config.n_heads // bias.shape[0], *[1] * (bias.dim() - 1))
+    return args, kwargs
 
 
 def _copies_per_pass(net: Net, length: int, max_memory: int) -> int:
@@ -193,8 +226,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
             delta = sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
             for between in range(sender_layer, layer):
                 delta = carry(net, batch, between, delta)
-            dx = input_change(net, batch, receivers[layer], layer, delta)
-            changes.append((layer, head, _head_change(net, receivers[layer], layer, dx, kind, head)))
+            changes.append((layer, *_head_change(net, batch, receivers[layer], delta, kind, head)))
         for i in range(len(batch.real)):
             one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
             T = one.input_ids.shape[1]

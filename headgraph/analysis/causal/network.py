@@ -2,10 +2,11 @@
 activations of each batch of inputs (`batches`), and each receiver layer's attention recomputed from its input
 (`receiver_layer`), checked against the model's own `hook_z` on every batch."""
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -13,12 +14,20 @@ from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
+from headgraph.heads import head_name
 
 DEFAULT_BATCH_SIZE = CausalOptions.batch_size
 DEFAULT_MAX_MEMORY = CausalOptions.max_memory
 KEY_COLUMNS = ["source", "target", "source_type", "target_type"]  # the pair key of pairs.parquet
 BOOTSTRAP_STREAM = 102  # the bootstrap's random stream beside the seed (resample ablation draws on another)
 _Z_TOLERANCE = 1e-3  # relative: recomputed vs the model's own z
+Path = Literal["recompute", "module"]
+"""How receivers are patched: headgraph's own attention from W_Q, W_K, W_V (plain scaled dot-product
+attention, batched over all senders of a layer) or the bridge's own attention modules run on patched inputs
+(rotary, grouped-query, QK-norm, ALiBi, soft-capping: whatever the model's attention does)."""
+# kwargs of a bridge attention call whose first dimension is not the batch: MPT's ALiBi bias, one per head
+_NOT_BATCHED = {"position_bias"}
+PER_ROW_HEAD = {"alibi"}  # BLOOM's ALiBi bias, [batch * heads, 1, T]
 
 
 class CausalUnsupported(UsageError):
@@ -30,49 +39,79 @@ def unsupported(bridge, why: str) -> CausalUnsupported:
                       "analyze it without causal effects")
 
 
-def _is_post_ln(bridge, probe: TokenInputs) -> bool:
-    """False where attention reads LN(residual) (GPT-2), True where it reads the residual and LayerNorms
-    follow each sublayer (BERT); read off one forward pass."""
-    names = ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.0.attn.hook_in",
-             "blocks.0.ln2.hook_out", "blocks.0.hook_resid_post"]
+Layout = Literal["pre", "post", "resid"]
+"""Where a block's attention reads the residual stream: "pre", through a norm ln1 (GPT-2, Llama, Gemma);
+"post", the residual itself with a LayerNorm after each sublayer (BERT); "resid", the residual itself with each
+sublayer's output normed before it is added (OLMo-2)."""
+
+
+def _layout(bridge, probe: TokenInputs) -> tuple[Layout, bool]:
+    """(layout, whether a norm ln1_post acts on the attention output before the residual adds it: Gemma 2/3,
+    OLMo-2), read off one forward pass."""
+    block = bridge.blocks[0]
+    norms = [n for n in ("ln1", "ln2", "ln1_post") if hasattr(block, n)]
+    names = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_in", "blocks.0.attn.hook_out", "blocks.0.hook_resid_post",
+             *(f"blocks.0.{n}.hook_{io}" for n in norms for io in ("in", "out"))]
     _, cache = bridge.run_with_cache(probe.input_ids.to(bridge.cfg.device), names_filter=names, return_type=None,
                                      **model_kwargs(bridge, probe))  # served hooks only: the check names the rest
     if not set(names) <= set(cache.keys()):
         raise unsupported(bridge, "its blocks lack the TransformerBridge hooks "
                                    f"{', '.join(sorted(set(names) - set(cache.keys())))}")
-    attn_in = cache["blocks.0.attn.hook_in"]
-    if torch.equal(attn_in, cache["blocks.0.ln1.hook_out"]) and torch.equal(cache["blocks.0.ln1.hook_in"],
-                                                                           cache["blocks.0.hook_resid_pre"]):
-        return False
-    if torch.equal(attn_in, cache["blocks.0.hook_resid_pre"]) and torch.equal(cache["blocks.0.hook_resid_post"],
-                                                                             cache["blocks.0.ln2.hook_out"]):
-        return True
-    raise unsupported(bridge, "its attention reads neither a LayerNorm of the residual stream (GPT-2) nor the "
-                               "residual stream with a LayerNorm after each sublayer (BERT)")
+    same = lambda a, b: torch.equal(cache[f"blocks.0.{a}"], cache[f"blocks.0.{b}"])  # noqa: E731
+    out_norm = "ln1_post" in norms and same("ln1_post.hook_in", "attn.hook_out")
+    if "ln1" in norms and same("attn.hook_in", "ln1.hook_out") and same("ln1.hook_in", "hook_resid_pre"):
+        return "pre", out_norm
+    if same("attn.hook_in", "hook_resid_pre"):
+        if out_norm:
+            return "resid", True
+        if "ln2" in norms and same("hook_resid_post", "ln2.hook_out"):
+            return "post", False
+    raise unsupported(bridge, "its attention reads neither a norm of the residual stream (GPT-2, Llama), nor the "
+                              "residual stream with a LayerNorm after each sublayer (BERT) or with normed "
+                              "sublayer outputs (OLMo-2)")
 
 
 @dataclass(frozen=True)
-
-
 class Net:
     """What patching needs of a model: its bridge, sizes, layout and weights in TransformerLens layout."""
 
     bridge: Any
     n_layers: int
     n_heads: int
+    n_kv_heads: int  # key/value heads: n_heads, fewer for grouped-query attention, 1 for multi-query
     causal: bool
-    post_ln: bool
+    layout: Layout
+    out_norm: bool  # ln1_post normalises the attention output before the residual adds it
+    path: Path
     scale: float
-    weights: dict[str, torch.Tensor]  # W_Q/W_K/W_V [L, H, d, e], b_Q/b_K/b_V [L, H, e], W_O [L, H, e, d]; and
-    # W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm (`local_weight`)
+    weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d];
+    # path "recompute": W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
+
+    @property
+    def post_ln(self) -> bool:
+        return self.layout == "post"
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def receivers(self, kind: str) -> int:
+        """Receiver heads of a kind per layer: query heads for Q, key/value heads for K and V."""
+        return self.n_heads if kind == "Q" else self.n_kv_heads
+
+    def receiver_name(self, layer: int, head: int, kind: str) -> str:
+        """L{l}H{h}, or the KV head L{l}KV{g} of a grouped-query model's K/V receiver (PK's naming)."""
+        return head_name(layer, head, kv=self.kv_group > 1 and kind != "Q")
 
     def native_norm(self, layer: int, which: int) -> torch.nn.LayerNorm | None:
         """The torch LayerNorm ln{which} of `layer` wraps where the bridge runs it as it is (observed without
         hooks, its numerics exactly), else None."""
         bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
         wrapped = bridge_norm.original_component
-        native = bridge_norm.use_native_layernorm_autograd or getattr(bridge_norm.config, "layer_norm_folding", False)
+        native = (getattr(bridge_norm, "use_native_layernorm_autograd", False)
+                  or getattr(bridge_norm.config, "layer_norm_folding", False))
         return wrapped if native and type(wrapped) is torch.nn.LayerNorm else None
 
     def layer_norm(self, layer: int, which: int) -> tuple[torch.Tensor | None, float] | None:
@@ -82,12 +121,16 @@ class Net:
         if wrapped is not None:
             return wrapped.weight, wrapped.eps
         bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
-        if bridge_norm.uses_rms_norm:
+        if getattr(bridge_norm, "uses_rms_norm", True):
             return None
         weight = bridge_norm.weight
         return (1.0 + weight if bridge_norm.uses_weight_offset else weight), getattr(bridge_norm.config, "eps", 1e-5)
 
-    def norm(self, layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
+    def attention_input(self, layer: int, resid: torch.Tensor) -> torch.Tensor:
+        """What the attention of `layer` reads when its residual input is `resid`."""
+        return self.norm(layer, 1, resid) if self.layout == "pre" else resid
+
+    def norm(self, layer: int, which, x: torch.Tensor) -> torch.Tensor:
         """The model's own LayerNorm ln{which} of `layer` applied to x: the native module's layer_norm directly
         where there is one (`native_norm`; it spares the bridge's hook-point statistics), else the bridge's
         forward (not __call__: the block's capture hooks on ln1 would hold on to x)."""
@@ -99,22 +142,37 @@ class Net:
 
 
 def network(model, probe: TokenInputs) -> Net:
+    """The Net of a LoadedModel, its path chosen on `probe` (one input): "recompute" where headgraph's own
+    attention (scaled dot products of W_Q, W_K, W_V with biases, softmax over the visible keys) reproduces the
+    model's z on every layer, else "module", the bridge's own attention modules run on patched inputs."""
     bridge = model.bridge
     cfg = bridge.cfg
-    if cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads:
-        raise unsupported(bridge, f"grouped-query attention ({cfg.n_key_value_heads} key/value heads for "
-                                   f"{cfg.n_heads} query heads)")
-    weights = {n: getattr(bridge, n).detach().float() for n in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")}
+    n_kv = int(cfg.n_key_value_heads or cfg.n_heads)
+    weights = {n: getattr(bridge, n).detach().float() for n in ("W_Q", "W_K", "W_V", "W_O")}
+    for t in "QKV":
+        try:
+            weights[f"b_{t}"] = getattr(bridge, f"b_{t}").detach().float()
+        except AttributeError:  # a bias-free projection (the bridge exposes no stacked bias)
+            weights[f"b_{t}"] = weights[f"W_{t}"].new_zeros(weights[f"W_{t}"].shape[:2] + weights[f"W_{t}"].shape[3:])
     root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
-    weights["W_V_out"] = weights["W_V"] @ root
-    return Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads),
-                causal=cfg.attention_dir == "causal", post_ln=_is_post_ln(bridge, probe),
-                scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
+    layout, out_norm = _layout(bridge, probe)
+    net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
+              causal=cfg.attention_dir == "causal", layout=layout, out_norm=out_norm, path="recompute",
+              scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
+    if n_kv == net.n_heads and layout != "resid" and not out_norm and _recomputes(net, probe):
+        weights["W_V_out"] = weights["W_V"] @ root
+        return net
+    return dataclasses.replace(net, path="module")
+
+
+def _recomputes(net: Net, probe: TokenInputs) -> bool:
+    """Whether the recomputed attention of every layer reproduces the model's z on `probe` (rotary or
+    relative positions, ALiBi, QK-norm, another score scale or soft-capping do not)."""
+    batch = next(batches(net, (probe,), (probe,), 1, lambda: None))
+    return all(_recompute_error(net, batch, layer)[1] <= _Z_TOLERANCE for layer in range(net.n_layers))
 
 
 @dataclass(frozen=True)
-
-
 class Batch:
     """One batch: its rows among all inputs, masks, the clean residual inputs and z, and Δz of every head."""
 
@@ -127,6 +185,8 @@ class Batch:
     z: torch.Tensor  # the model's z [L, b, T, H, e]
     dz: torch.Tensor  # z(x') - z(x) [L, b, T, H, e], 0 where x or x' has no token
     norms: list[tuple[torch.Tensor, ...]] | None  # post-LN: (ln1 in, ln1 out, ln2 in, ln2 out) of layers < L-1
+    calls: list[tuple[tuple, dict]] | None = None  # path "module": each layer's attention call (args, kwargs)
+    hooked: dict[str, torch.Tensor] | None = None  # path "module": the clean q/k/v/pattern/attention output
 
 
 def z_names(net: Net) -> list[str]:
@@ -157,18 +217,52 @@ def _mean_z(net: Net, inputs: TokenInputs, batch_size: int, advance: Callable[[]
     return total / count.clamp(min=1).to(total.device)[None, :, None, None]
 
 
+def _module_names(net: Net, layer: int) -> list[str]:
+    """The clean activations the module path reads of a layer: q, k, v as the attention's hooks see them (the
+    patched kind's are replaced by its own, the others held clean), the pattern, the output a ln1_post reads."""
+    names = [f"blocks.{layer}.attn.hook_{t}" for t in ("q", "k", "v", "pattern")]
+    return names + ([f"blocks.{layer}.attn.hook_out"] if net.out_norm else [])
+
+
+def _captured_calls(net: Net, batch: TokenInputs, names: list[str]) -> tuple[dict, list[tuple[tuple, dict]]]:
+    """The activations `names` of a batch and each layer's attention call (args, kwargs), without its cache."""
+    from transformers.cache_utils import Cache
+
+    calls: list = [None] * net.n_layers
+
+    def keep(layer):
+        def hook(module, args, kwargs):
+            calls[layer] = (args, {k: None if isinstance(v, Cache) else False if k == "use_cache" else v
+                                   for k, v in kwargs.items()})
+        return hook
+
+    handles = [net.bridge.blocks[l].attn.register_forward_pre_hook(keep(l), with_kwargs=True)
+               for l in range(net.n_layers)]
+    try:
+        _, cache = run_with_activations(net.bridge, batch, names)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return cache, calls
+
+
 def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None]) -> Iterator[Batch]:
     L = net.n_layers
     names = z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
     if net.post_ln:
         names += [f"blocks.{l}.ln{i}.hook_in" for l in range(L - 1) for i in (1, 2)]
+    if net.path == "module":
+        names += [name for l in range(L) for name in _module_names(net, l)]
     offset = 0
     for clean_set, corrupt_set in zip(sets, corrupted):
         mean = _mean_z(net, clean_set, batch_size, advance) if corrupt_set is None else None
         for start in range(0, len(clean_set), batch_size):
             stop = min(start + batch_size, len(clean_set))
             batch = clean_set.batch(start, stop)
-            _, cache = run_with_activations(net.bridge, batch, names)
+            if net.path == "module":
+                cache, calls = _captured_calls(net, batch, names)
+            else:
+                (_, cache), calls = run_with_activations(net.bridge, batch, names), None
             z = torch.stack([cache[name] for name in z_names(net)]).float()
             T = z.shape[2]
             real = batch.attention_mask.bool().to(z.device)
@@ -189,46 +283,129 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
             yield Batch(rows=slice(offset + start, offset + stop), inputs=batch, real=real, visible=visible,
                          queries=(real & (visible.sum(-1) > 1)).float(),
                          resid=[cache[f"blocks.{l}.hook_resid_pre"] for l in range(L)], z=z,
-                         dz=torch.where(both, z_alt - z, torch.zeros_like(z)), norms=norms)
+                         dz=torch.where(both, z_alt - z, torch.zeros_like(z)), norms=norms, calls=calls,
+                         hooked=None if calls is None else {n: cache[n] for l in range(L) for n in _module_names(net, l)})
             advance()
         offset += len(clean_set)
 
 
 @dataclass(frozen=True)
-
-
 class Layer:
-    """Clean attention of one receiver layer, recomputed from its input: what patched rows are compared to."""
+    """Clean attention of one receiver layer, recomputed from its input (path "recompute") or as the model's
+    own module computed it (path "module"): what patched rows are compared to."""
 
     x: torch.Tensor  # [b, T, d]: what Q, K and V read (after ln1 in a pre-LN model)
-    q: torch.Tensor  # [b, T, H, e]
-    k: torch.Tensor
+    q: torch.Tensor  # [b, T, H, e] (path "module": as hook_q sees it)
+    k: torch.Tensor  # [b, T, H, e] (path "module": [b, T, KV, e] as hook_k sees it)
     v: torch.Tensor
-    scores: torch.Tensor  # [b, H, T, T], -inf on keys a query cannot see
+    scores: torch.Tensor | None  # [b, H, T, T], -inf on keys a query cannot see (path "recompute")
     pattern: torch.Tensor  # [b, H, T, T]
     z: torch.Tensor  # [b, T, H, e]
+    layer: int = 0
 
 
-def receiver_layer(net: Net, batch: Batch, layer: int) -> Layer:
-    """Recompute layer's attention; UsageError unless it reproduces the model's own z on the real tokens."""
+def _recompute_error(net: Net, batch: Batch, layer: int) -> tuple[Layer, float]:
+    """The layer's attention recomputed from its input, and its largest error relative to the model's own z."""
     w = net.weights
     x = batch.resid[layer] if net.post_ln else net.norm(layer, 1, batch.resid[layer])
     q, k, v = (torch.einsum("btd,hde->bthe", x, w[f"W_{t}"][layer]) + w[f"b_{t}"][layer] for t in "QKV")
     scores = (torch.einsum("bqhe,bkhe->bhqk", q, k) * net.scale).masked_fill(~batch.visible[:, None], -math.inf)
     pattern = torch.softmax(scores, -1)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+    return Layer(x=x, q=q, k=k, v=v, scores=scores, pattern=pattern, z=z, layer=layer), _z_error(batch, layer, z)
+
+
+def _z_error(batch: Batch, layer: int, z: torch.Tensor) -> float:
     own = batch.z[layer][batch.real]
-    error = (z[batch.real] - own).abs().max().item()
-    if error > _Z_TOLERANCE * (own.abs().max().item() + 1e-6):
+    return (z[batch.real] - own).abs().max().item() / (own.abs().max().item() + 1e-6)
+
+
+def receiver_layer(net: Net, batch: Batch, layer: int) -> Layer:
+    """The clean attention of a receiver layer; UsageError unless it reproduces the model's own z on the real
+    tokens (path "module": the module rerun on the captured call, a check that the replay is exact)."""
+    if net.path == "recompute":
+        recv, error = _recompute_error(net, batch, layer)
+    else:
+        args, kwargs = batch.calls[layer]
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        h = batch.hooked
+        q, k, v, pattern = (h[f"blocks.{layer}.attn.hook_{t}"] for t in ("q", "k", "v", "pattern"))
+        recv = Layer(x=x, q=q, k=k, v=v, scores=None, pattern=pattern.float(), z=batch.z[layer], layer=layer)
+        error = _z_error(batch, layer, patched_attention(net, batch, recv, "Q", x[None])[1][0])
+    if error > _Z_TOLERANCE:
         raise unsupported(net.bridge, f"recomputing layer {layer}'s attention from its input misses the model's "
-                                       f"own z by {error:.3g} (rotary or relative positions, another score "
-                                       "scale or soft-capping are not supported)")
-    return Layer(x=x, q=q, k=k, v=v, scores=scores, pattern=pattern, z=z)
+                                      f"own z by {error:.3g} (relative)")
+    return recv
+
+
+def _copies(value, b: int, S: int, name: str = "", heads: int = 0):
+    """An attention call's argument for S stacked copies of a batch of b inputs (sender-major)."""
+    if isinstance(value, tuple):
+        return tuple(_copies(v, b, S) for v in value)
+    if not torch.is_tensor(value) or value.dim() == 0 or name in _NOT_BATCHED:
+        return value
+    if value.shape[0] == b or (name in PER_ROW_HEAD and value.shape[0] == b * heads):
+        return value.repeat(S, *[1] * (value.dim() - 1))
+    return value
+
+
+def coupled(net: Net, layer: int, kind: str) -> bool:
+    """Whether the `kind` projections of a layer's heads are normed together (OLMo-2's QK-norm over the whole
+    projection), so that patching one receiver's input also moves the others' unless each is patched alone."""
+    return kind != "V" and getattr(net.bridge.blocks[layer].attn, "_qk_norm_phase", None) == "pre_reshape"
+
+
+def patched_attention(net: Net, batch: Batch, recv: Layer, kind: str, x: torch.Tensor, head: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Path "module": (pattern [S, b, H, T, T], z [S, b, T, H, e]) of the receiver layer when only its `kind`
+    input (Q, K or V) reads x [S, b, T, d] and the other two read the clean input: the bridge's own attention
+    module run on S stacked copies of the batch, the other kinds' projections replaced by their clean values.
+    With `head`, only that receiver's (query or KV head's) projection of `kind` reads x, the others' clean."""
+    S, b = x.shape[:2]
+    args, kwargs = batch.calls[recv.layer]
+    kw = {k: _copies(v, b, S, k, net.n_heads) for k, v in kwargs.items()}
+    rest = tuple(_copies(a, b, S) for a in args[1:])
+    flat = x.reshape(S * b, *x.shape[2:]).to(recv.x.dtype)
+    if "hidden_states" in kw or not args:
+        kw["hidden_states"], positional = flat, rest
+    else:
+        positional = (flat, *rest)
+    clean = {"Q": recv.q, "K": recv.k, "V": recv.v}
+    got = {}
+
+    def hold(t):
+        return lambda value, hook: clean[t].repeat(S, *[1] * (clean[t].dim() - 1)).to(value.dtype)
+
+    def only(value, hook):
+        held = hold(kind)(value, hook).clone()
+        held[:, :, head] = value[:, :, head]
+        return held
+
+    def keep(name):
+        def hook(value, hook):
+            got[name] = value
+        return hook
+
+    prefix = f"blocks.{recv.layer}.attn."
+    hooks = [(prefix + f"hook_{t.lower()}", hold(t)) for t in "QKV" if t != kind]
+    if head is not None:
+        hooks.append((prefix + f"hook_{kind.lower()}", only))
+    hooks += [(prefix + "hook_pattern", keep("pattern")), (prefix + "hook_z", keep("z"))]
+    with net.bridge.hooks(fwd_hooks=hooks):
+        net.bridge.blocks[recv.layer].attn(*positional, **kw)
+    return (got["pattern"].float().reshape(S, b, *got["pattern"].shape[1:]),
+            got["z"].float().reshape(S, b, *got["z"].shape[1:]))
 
 
 def sender_writes(net: Net, batch: Batch, layer: int, heads: slice) -> torch.Tensor:
-    """Δ_s = (z_s(x') - z_s(x)) W_O[s] [S, b, T, d] of the heads `heads` of a sender layer."""
-    return torch.einsum("bthe,hed->hbtd", batch.dz[layer][:, :, heads], net.weights["W_O"][layer, heads])
+    """Δ_s [S, b, T, d]: what each head of `heads` of a sender layer changes in the residual stream, its output
+    (z_s(x') - z_s(x)) W_O[s]; through ln1_post where that norm acts on the attention output (Gemma 2/3, OLMo-2):
+    ln1_post(a + Δz_s W_O[s]) - ln1_post(a), a the clean attention output, the other heads held clean."""
+    delta = torch.einsum("bthe,hed->hbtd", batch.dz[layer][:, :, heads], net.weights["W_O"][layer, heads])
+    if not net.out_norm:
+        return delta
+    out = batch.hooked[f"blocks.{layer}.attn.hook_out"].float()
+    return net.norm(layer, "1_post", out + delta) - net.norm(layer, "1_post", out)
 
 
 def carry(net: Net, batch: Batch, layer: int, delta: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """The causal stage of `headgraph analyze`: its inputs built first, the local effects of every OQ/OK/OV pair,
 the loss effects of the selected edges, and what the run record says of them."""
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,19 @@ DEFINITIONS = {
     "loss_decoder": "patched minus clean next-token cross-entropy, nats per predicted token "
                     "(positive = the path helps the model)",
     "loss_encoder": "||h' - h||_F / ||h||_F of the final hidden states over the real tokens",
-    "patch": "only r's Q/K/V input sees out_s(x') - out_s(x); the LayerNorm in front of r is recomputed; "
-             "post-LN models carry the change through the LayerNorms up to r, attention and MLP outputs clean",
+    "patch": "only r's Q/K/V input sees out_s(x') - out_s(x); the norm in front of r is recomputed; "
+             "post-LN models carry the change through the LayerNorms up to r, attention and MLP outputs clean; "
+             "where a norm acts on the attention output (Gemma 2/3, OLMo-2) s writes ln1_post(a + dz_s W_O[s]) - "
+             "ln1_post(a), the other heads clean",
+    "receiver": "OQ: r is the query head L{l}H{h}; OK/OV of a grouped- or multi-query model: r is the key/value "
+                "head L{l}KV{g} (PK's KV-native pairs), its Q/K effect the attention rows of every query head "
+                "that reads it, its V effect over those query heads' outputs (each head's output a block of the "
+                "Frobenius norm); the loss effect changes all of their outputs",
+    "mechanism": "recompute: headgraph's own scaled dot-product attention from W_Q, W_K, W_V (models it "
+                 "reproduces exactly: learned positions, LayerNorm, multi-head); module: the bridge's own "
+                 "attention module run on the patched inputs, the other projections held clean (rotary, grouped-"
+                 "query, RMSNorm, QK-norm, soft-capping, sliding windows, ALiBi); either is checked against the "
+                 "model's own hook_z on every batch",
     "interval": f"{CONFIDENCE:.0%} percentile bootstrap over inputs; a loss effect's per-input numerator is "
                 "the patched minus clean loss on the same input, so the resampling is paired",
 }
@@ -40,8 +50,6 @@ def with_effects(pairs: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
 
 
 @dataclass(frozen=True)
-
-
 class CausalStage:
     """The causal stage of `headgraph analyze` on one LoadedModel: its inputs are built first (a bad inputs
     file fails before any PK work), then `local` adds the local effects of every OQ/OK/OV pair to the pairs
@@ -65,23 +73,20 @@ class CausalStage:
         kinds = [t for t in types if t in COMPOSITION_TYPES]
         if not kinds:
             return pairs, {"skipped": f"no {'/'.join(COMPOSITION_TYPES)} type was computed"}
-        start = time.perf_counter()
         o = self.options
         local = local_effects(self.model, self.inputs, kinds, o.ablation, n_boot=o.n_boot, seed=seed,
                               batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
                   "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
                   "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs) for s in self.inputs} if o.loss else {},
-                  "definitions": DEFINITIONS,
-                  "timings_s": {"local": round(time.perf_counter() - start, 4)}}
+                  "definitions": DEFINITIONS}
         return with_effects(pairs, local), record
 
     def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
-             ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
-        """(pairs and edges with effect_loss / _lo / _hi, seconds taken) for the edges that have a local
+             ) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(pairs and edges with effect_loss / _lo / _hi) for the edges that have a local
         effect, at most `loss_edges` per type, largest local effect first, on the first `loss_inputs` inputs of
         each set."""
-        start = time.perf_counter()
         o = self.options
         chosen = edges[edges["effect"].notna()].sort_values("effect", ascending=False, kind="stable")
         if o.loss_edges is not None:
@@ -89,4 +94,4 @@ class CausalStage:
         inputs = tuple(s.batch(0, min(len(s), o.loss_inputs)) for s in self.inputs)
         loss = loss_effects(self.model, inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
                             batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
-        return with_effects(pairs, loss), with_effects(edges, loss), round(time.perf_counter() - start, 4)
+        return with_effects(pairs, loss), with_effects(edges, loss)
