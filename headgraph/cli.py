@@ -191,34 +191,56 @@ def analyze_command(model, options, as_json):
 @cli.command("sweep")
 @click.argument("models", nargs=-1)
 @click.option("--checkpoints", "checkpoints_dir", default=None, metavar="DIR",
-              help="Sweep the model folders in DIR, ordered by the step that ends their names (...-step3000).")
+              help="Sweep the model folders in DIR (a Trainer's output folder as it is): each step from the "
+                   "folder's trainer_state.json, else from its name (checkpoint-500, step-500, step_500, step500, "
+                   "global_step500, iter_0000500, ...-step500).")
+@click.option("--revisions", default=None, metavar="LIST|FILE",
+              help="Sweep the one MODEL (a hub name) at these hub revisions: step1000,step2000 or a file with one a "
+                   "line; each from the local hub cache when it is there, its step from its name.")
+@click.option("--steps", "steps_file", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+              help="CSV of checkpoint,step rows (a folder in DIR, a MODEL or a revision): these steps override "
+                   "every other.")
 @click.option("--final-step", type=click.IntRange(min=0), default=None, metavar="N",
-              help="The training step of the one checkpoint whose name has none (the final model).")
+              help="The training step of the one checkpoint that has none (the final model).")
 @click.option("--sweep-id", default=None, metavar="ID",
-              help="The sweep's id (default: DIR's name and a digest of the analysis options; the same command "
-                   "resumes the same sweep).")
+              help="The sweep's id (default: DIR's or MODEL's name and a digest of the analysis options; the same "
+                   "command resumes the same sweep).")
 @click.option("--workers", default=SWEEP.workers, show_default=True, type=click.IntRange(min=1),
               help="Worker processes analysing checkpoints at once (the store is written by this process only).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run each checkpoint as a task on this Ray cluster (auto, HOST:PORT, or local for a new one); "
                    "needs headgraph[ray].")
 @analyze_options
-def sweep_command(models, checkpoints_dir, final_step, sweep_id, workers, ray_address, options):
-    """One analyze per checkpoint (--checkpoints DIR) or per MODEL, all in one store, each run tagged with the
-    sweep id and its step; checkpoints already stored for the sweep are skipped (rerun to resume). Query it
-    with edge-history, role-history and emergence."""
+def sweep_command(models, checkpoints_dir, revisions, steps_file, final_step, sweep_id, workers, ray_address,
+                  options):
+    """One analyze per checkpoint (--checkpoints DIR), per MODEL, or per hub revision of MODEL (--revisions),
+    all in one store, each run tagged with the sweep id and its step; checkpoints already stored for the sweep
+    are skipped (rerun to resume). Query it with edge-history, role-history and emergence."""
     from pathlib import Path
 
     from rich.console import Console
 
     from headgraph.errors import UsageError
-    from headgraph.sweep import SweepOptions, checkpoints_in, checkpoints_of, run_sweep
+    from headgraph.sweep import (SweepOptions, checkpoints_at, checkpoints_in, checkpoints_of, parse_revisions,
+                                 read_steps, run_sweep)
 
-    if checkpoints_dir is not None and models:
-        raise UsageError("give either --checkpoints DIR or MODEL arguments, not both")
-    checkpoints = checkpoints_in(checkpoints_dir, final_step) if checkpoints_dir else checkpoints_of(models, final_step)
-    label = Path(checkpoints_dir).resolve().name if checkpoints_dir else "sweep"
+    if checkpoints_dir is not None and (models or revisions is not None):
+        raise UsageError("give either --checkpoints DIR or MODEL arguments (with --revisions), not both")
+    if revisions is not None and len(models) != 1:
+        raise UsageError(f"--revisions are revisions of one MODEL; got {len(models)} MODEL arguments")
+    steps = read_steps(steps_file) if steps_file is not None else None
     console = Console(stderr=True)
+    if checkpoints_dir is not None:
+        checkpoints, skipped = checkpoints_in(checkpoints_dir, final_step, steps)
+        if skipped:
+            console.print(f"skipped {len(skipped)} folders in {checkpoints_dir} without config.json (not "
+                          f"checkpoints): {', '.join(skipped)}", soft_wrap=True)
+        label = Path(checkpoints_dir).resolve().name
+    elif revisions is not None:
+        checkpoints = checkpoints_at(models[0], parse_revisions(revisions), final_step, steps)
+        label = Path(models[0]).name
+    else:
+        checkpoints, label = checkpoints_of(models, final_step, steps), "sweep"
     outcome = run_sweep(checkpoints, SweepOptions(options, sweep_id, workers, ray_address), label, console=console,
                         progress=console.is_terminal)
     for run in outcome.runs:
