@@ -58,14 +58,16 @@ def _parse_edges(edges: pd.DataFrame, net: Net) -> list[tuple[int, int, int, int
 
 def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind: str, head: int
                  ) -> tuple[slice, torch.Tensor]:
-    """(the query heads that read receiver `head`, the change of their z [b, T, h, e]) when only the receiver's
-    `kind` input sees the residual change delta [1, b, T, d]: one query head for Q, the KV head's group for K/V."""
+    """(the query heads whose z changes, the change of their z [b, T, h, e]) when only the receiver's `kind`
+    input sees the residual change delta [1, b, T, d]: one query head for Q, the KV head's group for K/V; every
+    head where the heads' projections are normed together (OLMo-2: one receiver's input moves them all)."""
     layer = recv.layer
     if net.path == "module":
         x = net.attention_input(layer, batch.resid[layer] + delta)
         group = 1 if kind == "Q" else net.kv_group
-        heads = slice(head * group, (head + 1) * group)
-        _, z = patched_attention(net, batch, recv, kind, x, head if coupled(net, layer, kind) else None)
+        together = coupled(net, layer, kind)
+        heads = slice(0, net.n_heads) if together else slice(head * group, (head + 1) * group)
+        _, z = patched_attention(net, batch, recv, kind, x, head if together else None)
         return heads, (z[0, :, :, heads] - recv.z[:, :, heads])
     heads = slice(head, head + 1)
     d = project(input_change(net, batch, recv, layer, delta), net.weights[f"W_{kind}"][layer, heads])
