@@ -233,8 +233,8 @@ def sweep_command(models, checkpoints_dir, revisions, steps_file, final_step, sw
     if checkpoints_dir is not None:
         checkpoints, skipped = checkpoints_in(checkpoints_dir, final_step, steps)
         if skipped:
-            console.print(f"skipped {len(skipped)} folders in {checkpoints_dir} without config.json (not "
-                          f"checkpoints): {', '.join(skipped)}", soft_wrap=True)
+            console.print(f"skipped the folders in {checkpoints_dir} without config.json (not checkpoints): "
+                          f"{', '.join(skipped)}", soft_wrap=True)
         label = Path(checkpoints_dir).resolve().name
     elif revisions is not None:
         checkpoints = checkpoints_at(models[0], parse_revisions(revisions), final_step, steps)
