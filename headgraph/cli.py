@@ -141,7 +141,9 @@ def analyze_options(command: Callable) -> Callable:
     @click.option("--causal-inputs", default=None, metavar="FILE", type=click.Path(dir_okay=False),
                   help="Patch on these texts (one a line) instead of the generated inputs.")
     @click.option("--causal-loss-edges", default=CAUSAL.loss_edges, show_default=True, type=click.IntRange(min=0),
-                  help="Loss effects for at most N selected edges per type, largest local effect first (0: none).")
+                  help="Loss effects for at most N selected edges per type, largest attribution first (0: none).")
+    @click.option("--causal-loss-inputs", default=None, type=int, metavar="N",
+                  help="Loss effects on the first N causal inputs of each set (default: every input).")
     @CLASSES_OPTION
     @selection_options
     @click.option("--stability", is_flag=True,
@@ -152,11 +154,13 @@ def analyze_options(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
                 reference_samples, roles, n_inputs, correction, role_design, causal, causal_n, causal_inputs,
-                causal_loss_edges, classes_name, policy, stability, no_store, no_report, store, **kwargs):
+                causal_loss_edges, causal_loss_inputs, classes_name, policy, stability, no_store, no_report, store, **kwargs):
         role_settings = ({"roles_n_inputs": n_inputs, "roles_correction": correction, "roles_design": role_design}
                          if roles else {})
         causal_settings = {"causal_n_inputs": causal_n, "causal_inputs_file": causal_inputs,
-                           "causal_loss_edges": causal_loss_edges} if causal else {}  # 0: no loss effects
+                           "causal_loss_edges": causal_loss_edges,  # 0: no loss effects
+                           **({"causal_loss_inputs": causal_loss_inputs} if causal_loss_inputs is not None else {})
+                           } if causal else {}
         options = settings.analyze_options(
             types=types, roles=roles, causal=causal, store=None if no_store else store, out=out_dir,
             report=not no_report, processing=processing, device=device, dtype=dtype, seed=seed,

@@ -145,9 +145,10 @@ def selection_and_centrality(ctx: Context) -> None:
 @runs_if(lambda ctx: ctx.has_effects and ctx.options.causal.loss)
 def causal_loss(ctx: Context) -> None:
     """The loss effects of the selected edges, into the pairs table and that one selection."""
-    ctx.result.pairs, edges = ctx.causal.loss(ctx.result.pairs, ctx.selected.edges, _inputs_seed(ctx.options),
-                                              ctx.progress)  # its seconds: the runner's, as every stage's
+    ctx.result.pairs, edges, agreement = ctx.causal.loss(ctx.result.pairs, ctx.selected.edges,
+                                                         _inputs_seed(ctx.options), ctx.progress)
     ctx.selected = dataclasses.replace(ctx.selected, edges=edges)
+    ctx.causal_record = {**ctx.causal_record, "agreement": agreement}  # its seconds: the runner's, as every stage's
 
 
 def _record(ctx: Context) -> RunRecord:

@@ -48,6 +48,26 @@ def test_every_composition_pair_has_a_local_effect_and_the_selected_edges_a_loss
     assert (circuit.effect_loss_lo > 0).all()  # and ablating them hurts the next-token loss
 
 
+def test_attribution_ranks_the_circuit_first_and_the_record_says_how_far_it_agrees(analyzed):
+    """Every OQ/OK/OV pair gets an attribution; the induction circuit's four OK edges have the four largest, each
+    with its interval above 0; run.json records attribution against exact patching on the selected edges."""
+    _, out, _ = analyzed
+    pairs = load_run(out).pairs
+    attr = ["effect_attr", "effect_attr_lo", "effect_attr_hi"]
+    assert pairs[attr].notna().all().all()
+    assert ((pairs.effect_attr_lo <= pairs.effect_attr) & (pairs.effect_attr <= pairs.effect_attr_hi)).all()
+    ok = pairs[pairs.target_type == "K"].sort_values("effect_attr", ascending=False)
+    assert set(zip(ok.source.head(4), ok.target.head(4))) == CIRCUIT
+    assert (ok.head(4).effect_attr_lo > 0).all()
+    agreement = json.loads((out / "run.json").read_text())["causal"]["agreement"]
+    checked = pairs.dropna(subset=["effect_loss"])
+    ok_checked = checked[checked.target_type == "K"]
+    assert agreement["OK"]["edges"] == len(ok_checked) == 4
+    rho = ok_checked[["effect_attr", "effect_loss"]].corr(method="spearman").iloc[0, 1]  # pandas, not ours
+    assert agreement["OK"]["spearman"] == pytest.approx(rho)
+    assert agreement["OK"]["max_abs_error"] == pytest.approx((ok_checked.effect_attr - ok_checked.effect_loss).abs().max())
+
+
 def test_the_run_record_and_the_summary_say_how_effects_were_measured(analyzed):
     _, out, summary = analyzed
     strongest = {e["target_type"]: e for e in summary["causal"]["strongest"]}
@@ -57,7 +77,7 @@ def test_the_run_record_and_the_summary_say_how_effects_were_measured(analyzed):
     assert causal["ablation"] == "resample" and causal["types"] == ["OQ", "OK", "OV"]
     assert "total-variation" in causal["definitions"]["local_QK"]
     assert set(causal["timings_s"]) == {"local", "loss"}
-    assert causal["loss_inputs_per_set"] == {"ioi": 8, "repeated_tokens": 8} and causal["loss_edges_per_type"] == 50
+    assert causal["loss_inputs_per_set"] == {"ioi": 16, "repeated_tokens": 16} and causal["loss_edges_per_type"] == 50
 
 
 @pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])

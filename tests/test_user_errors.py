@@ -365,3 +365,16 @@ def test_a_rerun_into_the_same_folder_keeps_nothing_of_the_earlier_run(synthetic
     code, _, err = run_cli(["analyze", str(synthetic_dir), *QUICK, "--out", str(out)], capsys)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["heads.parquet", "pairs.parquet", "run.json"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "loss effects need at least 2 inputs per set, got --causal-loss-inputs 0"),
+    ("-3", "loss effects need at least 2 inputs per set, got --causal-loss-inputs -3"),
+    ("9", "--causal-loss-inputs 9 is more than the 4 causal inputs of a set: give at most that many, or raise --causal-n"),
+])
+def test_a_bad_causal_loss_inputs_is_one_line_and_stores_nothing(value, message, synthetic_dir, tmp_path, capsys):
+    code, _, err = run_cli(["analyze", str(synthetic_dir), "--null-heads", "20", "--reference-samples", "1000",
+                            "--no-roles", "--causal-n", "4", "--causal-loss-inputs", value, "--out",
+                            str(tmp_path / "run"), "--db", str(tmp_path / "store.lbdb")], capsys)
+    assert code == 2 and one_line(err) == f"error: {message}"
+    assert not (tmp_path / "store.lbdb").exists() and not (tmp_path / "run").exists()

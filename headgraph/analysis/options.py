@@ -78,9 +78,9 @@ class RoleOptions:
 class CausalOptions:
     """The causal stage's settings (headgraph.analysis.causal), defaults declared once: direct-path effects of
     every OQ/OK/OV pair on `n_inputs` generated inputs per set (or the texts of `inputs_file`, one a line), and
-    the downstream (loss) effect of the selected edges when `loss`, on the first `loss_inputs` inputs of each set,
-    of at most `loss_edges` per type: it costs the model's layers from the receiver's on, per edge and input,
-    where a local effect costs far less."""
+    the downstream (loss) effect of the selected edges when `loss`, on every input (or the first `loss_inputs` of
+    each set), of at most `loss_edges` per type, largest attribution first: it costs the model's layers from the
+    receiver's on, per edge and input, where a local effect and an attribution cost far less."""
 
     n_inputs: int = 24  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
     inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
@@ -89,16 +89,16 @@ class CausalOptions:
     batch_size: int = 16
     max_memory: int = 1024**3  # working bytes of one batched patching step, with the products its steps share
     loss: bool = True
-    loss_edges: int | None = 50  # per type, largest local effect first (None: every selected edge)
-    loss_inputs: int = 8  # the first N inputs of each set: the layers from the receiver's on, per edge and input
+    loss_edges: int | None = 50  # per type, largest attribution (encoders: local effect) first; None: every one
+    loss_inputs: int | None = None  # the first N inputs of each set (None: all): the layers from the receiver's on
 
     def __post_init__(self):
         if self.n_inputs < 2:
             raise UsageError(f"causal effects need at least 2 inputs per input set, got {self.n_inputs}")
         if self.ablation not in ABLATIONS:
             raise UsageError(f"unknown ablation {self.ablation!r}: use one of {', '.join(ABLATIONS)}")
-        if self.loss_inputs < 2:
-            raise UsageError(f"loss effects need at least 2 inputs per set, got loss_inputs={self.loss_inputs}")
+        if self.loss_inputs is not None and self.loss_inputs < 2:
+            raise UsageError(f"loss effects need at least 2 inputs per set, got --causal-loss-inputs {self.loss_inputs}")
         if self.loss_edges is not None and self.loss_edges < 1:
             raise UsageError(f"loss_edges must be at least 1, or None for every selected edge (got {self.loss_edges})")
         if self.n_boot < 1 or self.batch_size < 1:

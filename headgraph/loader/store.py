@@ -124,6 +124,9 @@ EDGE_PROPERTIES = {
     "effect_loss": "DOUBLE",
     "effect_loss_lo": "DOUBLE",
     "effect_loss_hi": "DOUBLE",
+    "effect_attr": "DOUBLE",
+    "effect_attr_lo": "DOUBLE",
+    "effect_attr_hi": "DOUBLE",
 }
 """Edges carry their endpoints' names and layers so queries never need startNode() (LadybugDB lacks it)."""
 

@@ -52,7 +52,7 @@ layers from the receiver's on (and, for a decoder, the unembedding).
 >>> inputs = repeated_token_inputs(model.tokenizer, 8, seed=0, length=6)
 >>> local = local_effects(model, inputs, n_boot=200)
 >>> len(local), local.columns.tolist()  # 4 senders in layer 0 x 4 receivers in layer 1 x 3 types
-(48, ['source', 'target', 'source_type', 'target_type', 'effect', 'effect_lo', 'effect_hi'])
+(48, ['source', 'target', 'source_type', 'target_type', 'effect', 'effect_lo', 'effect_hi', 'effect_attr', 'effect_attr_lo', 'effect_attr_hi'])
 >>> bool(((local.effect_lo <= local.effect) & (local.effect <= local.effect_hi)).all())
 True
 >>> loss = loss_effects(model, inputs, local.head(2), n_boot=200)

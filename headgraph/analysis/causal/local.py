@@ -20,7 +20,7 @@ from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES, check_type_pair, head_name
 
-LOCAL_COLUMNS = KEY_COLUMNS + ["effect", "effect_lo", "effect_hi"]
+LOCAL_COLUMNS = KEY_COLUMNS + ["effect", "effect_lo", "effect_hi", "effect_attr", "effect_attr_lo", "effect_attr_hi"]
 
 
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
@@ -120,20 +120,46 @@ def _squared_outputs(net: Net, layer: int, z: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...he,hef->...hf", z, net.out_root[layer]).pow(2).sum(-1)
 
 
-def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str) -> torch.Tensor:
+def _attribution(batch: Batch, layer: int, change: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """Per-input first-order loss change [S, b, H] of the receivers' exact change: Σ (A'_r − A_r) · ∂L/∂A_r
+    (Q/K, change = A' − A [S, b, H, T, T]) or Σ Δz_r · ∂L/∂z_r (V, change = Δz [S, b, T, H, e]); None without
+    the batch's loss gradients (an encoder)."""
+    if batch.grads is None:
+        return None
+    pattern_grad, z_grad = batch.grads[layer]
+    if kind == "V":
+        return torch.einsum("sbthe,bthe->sbh", change, z_grad)
+    return torch.einsum("sbhqk,bhqk->sbh", change, pattern_grad)
+
+
+def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-input numerator [S, H, b] of the local effect of the senders behind d (their input change projected
-    through `local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head."""
+    through `local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head, and of its attribution."""
     if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
-        change = value_change(recv, d, slice(None)).pow_(2).sum(-1)
-        return (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
-    tv = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern).abs_().sum(-1).mul_(0.5)
-    return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
+        change = value_change(recv, d, slice(None))
+        attr = None
+        if batch.grads is not None:  # Δz · g = (Δz R) · (g R^-T)
+            z_grad = torch.einsum("bthe,hfe->bthf", batch.grads[layer][1], net.weights["out_root_inverse"][layer])
+            attr = torch.einsum("sbthe,bthe->sbh", change, z_grad)
+        change = change.pow_(2).sum(-1)
+        return (change * batch.real[:, :, None]).sum(2).transpose(1, 2), _heads_last(attr)
+    moved = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern)
+    attr = _attribution(batch, layer, moved, kind)
+    tv = moved.abs_().sum(-1).mul_(0.5)
+    return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2), _heads_last(attr)
 
 
-def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str) -> torch.Tensor:
+def _heads_last(attr: torch.Tensor | None) -> torch.Tensor | None:
+    """[S, b, H] -> [S, H, b], as the local sums."""
+    return None if attr is None else attr.transpose(1, 2)
+
+
+def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Path "module": per-input numerator [S, R, b] of the local effect on every receiver (R query heads for Q,
     KV heads for K/V, summed over the query heads that read each) when only the receivers' `kind` input reads
-    x [S, b, T, d]."""
+    x [S, b, T, d], and of its attribution."""
     if coupled(net, recv.layer, kind):  # each receiver patched alone: its rows of its own run
         runs = [patched_attention(net, batch, recv, kind, x, head) for head in range(net.receivers(kind))]
         group = 1 if kind == "Q" else net.kv_group
@@ -142,14 +168,20 @@ def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str
     else:
         pattern, z = patched_attention(net, batch, recv, kind, x)
     if kind == "V":
-        change = _squared_outputs(net, recv.layer, z.sub_(recv.z))  # [S, b, T, H]
-        sums = (change * batch.real[:, :, None]).sum(2)
+        change = z.sub_(recv.z)
+        attr = _attribution(batch, recv.layer, change, kind)
+        sums = (_squared_outputs(net, recv.layer, change) * batch.real[:, :, None]).sum(2)  # [S, b, H]
     else:
-        tv = pattern.sub_(recv.pattern).abs_().sum(-1).mul_(0.5)  # [S, b, H, T]
-        sums = (tv * batch.queries[:, None]).sum(-1)
-    sums = sums.transpose(1, 2)  # [S, H, b]
+        moved = pattern.sub_(recv.pattern)
+        attr = _attribution(batch, recv.layer, moved, kind)
+        sums = (moved.abs_().sum(-1).mul_(0.5) * batch.queries[:, None]).sum(-1)  # [S, b, H]
     group = 1 if kind == "Q" else net.kv_group
-    return sums.reshape(sums.shape[0], -1, group, sums.shape[-1]).sum(2)
+
+    def by_receiver(per_head):  # [S, b, H] -> [S, R, b]
+        per_head = per_head.transpose(1, 2)
+        return per_head.reshape(per_head.shape[0], -1, group, per_head.shape[-1]).sum(2)
+
+    return by_receiver(sums), None if attr is None else by_receiver(attr)
 
 
 def _sender_bytes(net: Net, b: int, T: int) -> int:
@@ -177,15 +209,21 @@ def _kept_budget(net: Net, sets, batch_size: int, max_memory: int) -> int:
 def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Sequence[str] = COMPOSITION_TYPES,
                   ablation: str = "resample", corrupted: TokenInputs | Sequence[TokenInputs] | None = None,
                   n_boot: int = DEFAULT_N_BOOT, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
-                  max_memory: int = DEFAULT_MAX_MEMORY, progress=None) -> pd.DataFrame:
-    """Local direct-path effect of every earlier -> later head pair of each type in `types` (OQ, OK, OV).
+                  max_memory: int = DEFAULT_MAX_MEMORY, progress=None, attribution: bool = True) -> pd.DataFrame:
+    """Local direct-path effect of every earlier -> later head pair of each type in `types` (OQ, OK, OV), and
+    (a decoder, `attribution`) its attribution: the first-order change of the next-token loss that the
+    receiver's exact change causes, Σ (A'_r − A_r) · ∂L/∂A_r for Q/K and Σ Δz_r · ∂L/∂z_r for V, the gradients
+    from one backward pass per batch of clean inputs, in nats per predicted token like `loss_effects`.
 
     `model` is a LoadedModel (its `bridge` is used). `inputs`: one input set or several; resample ablation
     draws each input's counterfactual within its own set (`resample_inputs`, seeded), or takes `corrupted`
     (the same structure, row i the counterfactual of input i); mean ablation averages per set. Statistics pool
     all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
     (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
-    NaN where r's clean output is zero, for V). `max_memory` bounds one batched step's working bytes together
+    NaN where r's clean output is zero, for V), effect_attr, effect_attr_lo, effect_attr_hi (NaN for an
+    encoder). An attribution is a linear estimate of what `loss_effects` measures exactly: it can miss where the
+    loss is far from linear in the receiver's change (a saturated softmax downstream), which is why exact
+    patching checks it on the selected edges. `max_memory` bounds one batched step's working bytes together
     with the c(W_O) Γ W products a pre-LN model's steps share across batches (kept in what the widest step
     leaves of it, computed again per batch beyond that).
     """
@@ -209,15 +247,17 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
     n = sum(len(s) for s in sets)
     num = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
-    queries, outputs = np.zeros(n), np.zeros((L, H, n))
+    attributed = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds} if attribution and net.causal else None
+    queries, outputs, predicted = np.zeros(n), np.zeros((L, H, n)), np.zeros(n)
     advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
     factor = (net.path == "recompute" and not net.post_ln
               and all(net.layer_norm(layer, 1) is not None for layer in range(1, L)))
     kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
     weights = _FactoredWeights(net, kinds, kept) if factor else None
-    for batch in batches(net, sets, alternatives, batch_size, advance):
+    for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
+        predicted[batch.rows] = (batch.real[:, 1:] & batch.real[:, :-1]).sum(-1).cpu().numpy()
         receivers = {l: receiver_layer(net, batch, l) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
@@ -237,12 +277,14 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                     for kind in kinds:
                         rows = index[kind][sender_layer, heads, layer]
                         if net.path == "module":
-                            sums = _module_sums(net, batch, receivers[layer], x, kind)
+                            sums, attr = _module_sums(net, batch, receivers[layer], x, kind)
                         else:
                             d = (factored.project(layer, kind) if factored is not None
                                  else project(dx, local_weight(net, layer, kind)))
-                            sums = _local_sums(net, batch, receivers[layer], layer, d, kind)
+                            sums, attr = _local_sums(net, batch, receivers[layer], layer, d, kind)
                         num[kind][rows, batch.rows] = sums.cpu()
+                        if attr is not None:
+                            attributed[kind][rows, batch.rows] = attr.cpu()
     frames = []
     for kind in kinds:
         src_layer, src_head, tgt_layer, tgt_head = pairs[kind]
@@ -252,9 +294,14 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         else:
             den = np.broadcast_to(queries * group, num[kind].shape)
         effect, lo, hi = ratio_intervals(num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
+        attr = attr_lo = attr_hi = np.full(len(effect), np.nan)
+        if attributed is not None:  # nats per predicted token, as the loss effect
+            attr, attr_lo, attr_hi = ratio_intervals(attributed[kind], np.broadcast_to(predicted, num[kind].shape),
+                                                     n_boot, [seed, BOOTSTRAP_STREAM])
         frames.append(pd.DataFrame({
             "source": pd.Series([head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())], dtype=str),
             "target": pd.Series([net.receiver_name(l, h, kind) for l, h in zip(tgt_layer.tolist(), tgt_head.tolist())],
                                 dtype=str),
-            "source_type": "O", "target_type": kind, "effect": effect, "effect_lo": lo, "effect_hi": hi}))
+            "source_type": "O", "target_type": kind, "effect": effect, "effect_lo": lo, "effect_hi": hi,
+            "effect_attr": attr, "effect_attr_lo": attr_lo, "effect_attr_hi": attr_hi}))
     return pd.concat(frames, ignore_index=True)[LOCAL_COLUMNS]

@@ -85,7 +85,8 @@ class Net:
     path: Path
     scale: float
     weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d];
-    # path "recompute": W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm
+    # path "recompute": W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm,
+    # and out_root_inverse R^-1 [L, H, e, e]
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
 
     @property
@@ -161,6 +162,7 @@ def network(model, probe: TokenInputs) -> Net:
               scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
     if n_kv == net.n_heads and layout != "resid" and not out_norm and _recomputes(net, probe):
         weights["W_V_out"] = weights["W_V"] @ root
+        weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
         return net
     return dataclasses.replace(net, path="module")
 
@@ -186,6 +188,7 @@ class Batch:
     dz: torch.Tensor  # z(x') - z(x) [L, b, T, H, e], 0 where x or x' has no token
     norms: list[tuple[torch.Tensor, ...]] | None  # post-LN: (ln1 in, ln1 out, ln2 in, ln2 out) of layers < L-1
     calls: list[tuple[tuple, dict]] | None = None  # path "module": each layer's attention call (args, kwargs)
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> ∂L/∂pattern, ∂L/∂z (clean x)
     hooked: dict[str, torch.Tensor] | None = None  # path "module": the clean q/k/v/pattern/attention output
 
 
@@ -246,7 +249,51 @@ def _captured_calls(net: Net, batch: TokenInputs, names: list[str]) -> tuple[dic
     return cache, calls
 
 
-def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None]) -> Iterator[Batch]:
+ATTRIBUTION_STEPS = 4  # interpolation points of the integrated gradients
+
+
+def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int = ATTRIBUTION_STEPS
+                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (∂L/∂pattern [b, H, T, T], ∂L/∂z [b, T, H, e])} of a decoder's next-token loss L (summed over the
+    predicted tokens; each input's gradient is its own loss's), averaged over `steps` points α = (k + 1/2) /
+    steps of the path from the clean to the counterfactual activations: every head's z is z + α Δz (its value
+    only: the gradient still reaches each pattern through the head's own z), as integrated-gradients edge
+    attribution interpolates between clean and corrupted runs (Hanna et al. 2024)."""
+    names = [f"blocks.{l}.attn.hook_{t}" for l in range(net.n_layers) for t in ("pattern", "z")]
+    ids = batch.input_ids.to(net.bridge.cfg.device)
+    real = batch.attention_mask.bool().to(ids.device)
+    _, clean = run_with_activations(net.bridge, batch, z_names(net))
+    total = None
+    for k in range(steps):
+        alpha, kept = (k + 0.5) / steps, {}
+
+        def keep(name):
+            def hook(value, hook):
+                if name.endswith("hook_z"):
+                    layer = int(name.split(".")[1])
+                    target = clean[name] + alpha * dz[layer].to(value.dtype)
+                    value = value + (target - value).detach()
+                kept[name] = value
+                return value
+            return hook
+
+        with torch.enable_grad():
+            logits = net.bridge.run_with_hooks(ids, fwd_hooks=[(name, keep(name)) for name in names],
+                                               return_type="logits", **model_kwargs(net.bridge, batch))
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
+                                                       reduction="none")
+            loss = (losses * (real[:, 1:] & real[:, :-1])).sum()
+            grads = torch.autograd.grad(loss, [kept[name] for name in names])
+        total = grads if total is None else [a + g for a, g in zip(total, grads)]
+    found = {name: g.float() / steps for name, g in zip(names, total)}
+    return {l: (found[f"blocks.{l}.attn.hook_pattern"], found[f"blocks.{l}.attn.hook_z"])
+            for l in range(net.n_layers)}
+
+
+def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None], gradients: bool = False
+            ) -> Iterator[Batch]:
+    """The clean and corrupted activations of each batch of the input sets (and, with `gradients`, a decoder's
+    loss gradients at every layer's pattern and z)."""
     L = net.n_layers
     names = z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
     if net.post_ln:
@@ -274,6 +321,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
             visible = real[:, None, :].expand(-1, T, -1)
             if net.causal:
                 visible = visible & torch.ones(T, T, dtype=torch.bool, device=z.device).tril()
+            dz = torch.where(both, z_alt - z, torch.zeros_like(z))
             norms = None
             if net.post_ln:
                 norms = []
@@ -283,8 +331,9 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
             yield Batch(rows=slice(offset + start, offset + stop), inputs=batch, real=real, visible=visible,
                          queries=(real & (visible.sum(-1) > 1)).float(),
                          resid=[cache[f"blocks.{l}.hook_resid_pre"] for l in range(L)], z=z,
-                         dz=torch.where(both, z_alt - z, torch.zeros_like(z)), norms=norms, calls=calls,
-                         hooked=None if calls is None else {n: cache[n] for l in range(L) for n in _module_names(net, l)})
+                         dz=dz, norms=norms, calls=calls,
+                         hooked=None if calls is None else {n: cache[n] for l in range(L) for n in _module_names(net, l)},
+                         grads=_loss_gradients(net, batch, dz) if gradients else None)
             advance()
         offset += len(clean_set)
 
