@@ -17,7 +17,7 @@ BOS = "<|endoftext|>"
 
 # Training text for the synthetic tokenizer's merges: enough English (IOI-style prompts, names, places,
 # objects) that such prompts tokenise into word-sized pieces. Byte-level BPE still encodes any text.
-_TOKENIZER_CORPUS = """
+TOKENIZER_CORPUS = """
 When Mary and John went to the store, John gave a drink to Mary.
 When Tom and James went to the park, James gave the ball to Tom.
 Then, Sarah and Anna had a long argument. Afterwards Anna said to Sarah.
@@ -122,7 +122,7 @@ def save_tokenizer(path: Path, vocab: int) -> None:
         show_progress=False,
         min_frequency=1,
     )
-    tok.train_from_iterator(_TOKENIZER_CORPUS.split("\n"), trainer=trainer)
+    tok.train_from_iterator(TOKENIZER_CORPUS.split("\n"), trainer=trainer)
     # Pad the vocabulary with unused filler tokens so the BOS id is always vocab-1, whatever the corpus yields.
     fillers = [f"<|unused{i}|>" for i in range(vocab - 1 - tok.get_vocab_size())]
     tok.add_special_tokens(fillers + [BOS])
