@@ -258,3 +258,114 @@ def test_gpt2_through_the_fused_gelu_computes_what_transformers_gelu_new_compute
         expected = hf(ids).logits
     assert expected.abs().max() > 1  # a real output, which the tolerance below is small against
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+
+
+def _family_copy(name, tmp_path, **config_changes):
+    """A fresh checkpoint of family `name` with `config_changes` written into its config.json."""
+    import json
+
+    from headgraph.testing.families import save_family
+
+    folder = save_family(name, tmp_path / name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | config_changes))
+    return folder
+
+
+def test_phi3_tl_folds_its_rmsnorm_into_the_joint_qkv_and_records_no_unfolded_ln(tmp_path):
+    folder = _family_copy("phi3", tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    raw = load_model(folder, processing="raw", device="cpu")
+    tl = load_model(folder, processing="tl", device="cpu")
+    for layer in (0, 1):
+        scale = state[f"model.layers.{layer}.input_layernorm.weight"]  # multiplies the residual before W_Q
+        assert (scale - 1).abs().max() > 0.05  # the family's norms are not the identity
+        for name in ("W_Q", "W_K", "W_V"):
+            torch.testing.assert_close(getattr(tl, name)[layer], getattr(raw, name)[layer] * scale[:, None],
+                                       rtol=1e-6, atol=1e-7)
+    assert tl.cfg["processing_warnings"] == []  # TransformerLens' "does not support fold_ln" is not true here
+
+
+def test_olmo2_tl_keeps_its_reading_weights_and_records_the_unfolded_norms(tmp_path):
+    folder = _family_copy("olmo2", tmp_path)
+    raw = load_model(folder, processing="raw", device="cpu")
+    tl = load_model(folder, processing="tl", device="cpu")
+    for name in ("W_Q", "W_K", "W_V", "W_O"):  # norms after attention and QK-norm: nothing to fold, no centring
+        torch.testing.assert_close(getattr(tl, name), getattr(raw, name), rtol=0, atol=0)
+    assert [w.split(" ")[0] for w in tl.cfg["processing_warnings"]] == ["Olmo2ArchitectureAdapter"]
+    assert "fold_ln" in tl.cfg["processing_warnings"][0]
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "flash_attention_2"])
+def test_a_checkpoint_asking_for_a_known_fast_attention_loads_with_eager_attention(tmp_path, implementation):
+    folder = _family_copy("llama", tmp_path, attn_implementation=implementation)
+    model = load_model(folder, processing="raw", device="cpu")
+    assert model.bridge.original_model.config._attn_implementation == "eager"
+    tokens = model.bridge.to_tokens(IOI)
+    _, cache = model.bridge.run_with_cache(tokens)
+    assert cache["blocks.1.attn.hook_pattern"].shape == (1, 4, tokens.shape[1], tokens.shape[1])
+
+
+def _analyze_exits_2_storing_nothing(folder, tmp_path, capsys) -> str:
+    """The one line of `headgraph analyze FOLDER` into a LadybugDB file, after checking it exits 2 and leaves
+    neither the store nor a run folder behind."""
+    from headgraph.cli import main
+
+    db, out = tmp_path / "store.lbdb", tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", str(folder), "--db", str(db), "--out", str(out), "--null-heads", "4",
+              "--reference-samples", "100", "--n-inputs", "4", "--causal-n", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert not db.exists() and not (out / "run.json").exists()
+    return err
+
+
+@pytest.mark.parametrize("key", ["attn_implementation", "_attn_implementation"])
+def test_an_attention_implementation_transformers_does_not_know_is_one_line(tmp_path, capsys, key):
+    folder = _family_copy("llama", tmp_path, **{key: "flash_magic"})
+    err = _analyze_exits_2_storing_nothing(folder, tmp_path, capsys)
+    assert "attention implementation 'flash_magic', which transformers does not know" in err
+
+
+@pytest.mark.parametrize("name, changes, says", [
+    ("llama", {"num_key_value_heads": 3}, "has 4 attention heads, not a multiple of its 3 key/value heads"),
+    ("gemma2", {"num_key_value_heads": 3}, "has 4 attention heads, not a multiple of its 3 key/value heads"),
+    ("llama", {"num_key_value_heads": 0}, "has 4 attention heads and 0 key/value heads"),
+    ("gpt2", {"n_head": 3}, "hidden size 64, not a multiple of its 3 attention heads"),
+    ("bert", {"num_attention_heads": 3}, "hidden size 64, not a multiple of its 3 attention heads"),
+    ("mpt", {"n_heads": 3}, "hidden size 64, not a multiple of its 3 attention heads"),
+])
+def test_head_counts_that_do_not_divide_are_one_line(tmp_path, capsys, name, changes, says):
+    err = _analyze_exits_2_storing_nothing(_family_copy(name, tmp_path, **changes), tmp_path, capsys)
+    assert says in err
+
+
+def test_a_decoder_tokenizer_without_bos_or_eos_is_one_line_before_any_work(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from headgraph.testing.synthetic import TOKENIZER_CORPUS
+
+    folder = _family_copy("gpt2", tmp_path)
+    for old in folder.glob("*token*"):
+        old.unlink()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(TOKENIZER_CORPUS.split("\n"), trainers.BpeTrainer(
+        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert bpe.get_vocab_size() == 512  # every id of the model's vocabulary taken, none special
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(str(folder))
+    err = _analyze_exits_2_storing_nothing(folder, tmp_path, capsys)
+    assert "gives token ids up to 512 (its BOS '<|endoftext|>' is id 512), beyond the model's 512 tokens" in err
+
+
+def test_a_tokenizer_of_a_larger_vocabulary_is_one_line(tmp_path, capsys):
+    from headgraph.testing.synthetic import save_tokenizer
+
+    folder = _family_copy("llama", tmp_path, vocab_size=400, bos_token_id=399, eos_token_id=399, pad_token_id=399)
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k: v[:400] if v.shape[0] == 512 else v for k, v in state.items()}, str(folder / "model.safetensors"))
+    save_tokenizer(folder, 512)  # BOS 511 and merged words above id 400
+    err = _analyze_exits_2_storing_nothing(folder, tmp_path, capsys)
+    assert "beyond the model's 400 tokens: it is not this model's tokenizer" in err

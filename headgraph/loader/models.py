@@ -9,6 +9,7 @@ architecture supports it, centred writing weights, folded value biases); "raw" =
 """
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -195,8 +196,44 @@ def _base_prefix_missing(model, missing_keys) -> list[str]:
     return sorted(k for k in missing_keys if not prefix or k.startswith(prefix + "."))
 
 
+def check_attention_implementation(config: dict, folder: Path) -> None:
+    """ModelUnavailable when config.json asks for an attention implementation transformers does not know.
+    headgraph always runs eager attention (it reads the patterns), which computes what sdpa or flash attention
+    compute; an unknown name may be a kernel of the checkpoint's own whose attention is not that function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    asked = config.get("attn_implementation") or config.get("_attn_implementation")
+    if asked is not None and asked != "eager" and asked not in ALL_ATTENTION_FUNCTIONS:
+        known = ", ".join(["eager", *ALL_ATTENTION_FUNCTIONS])
+        raise ModelUnavailable(f"'{folder}' asks for the attention implementation {asked!r}, which transformers "
+                               f"does not know ({known}): headgraph computes eager attention; set "
+                               "attn_implementation in config.json to one of these, or remove it")
+
+
+def check_head_counts(config, folder: Path) -> None:
+    """ModelUnavailable unless the config's heads divide: query heads a multiple of key/value heads, and the
+    hidden size a multiple of the query heads where the config gives no head width of its own."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else kv_heads
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return  # a config without the standard names: the model's own checks decide
+    if heads < 1 or kv_heads < 1:
+        raise ModelUnavailable(f"the config in '{folder}' has {heads} attention heads and {kv_heads} key/value "
+                               "heads: both must be at least 1")
+    if heads % kv_heads:
+        raise ModelUnavailable(f"the config in '{folder}' has {heads} attention heads, not a multiple of its "
+                               f"{kv_heads} key/value heads: grouped-query attention shares each key/value head "
+                               "among a whole number of query heads")
+    if config.to_dict().get("head_dim") is None and isinstance(hidden, int) and hidden % heads:
+        raise ModelUnavailable(f"the config in '{folder}' has hidden size {hidden}, not a multiple of its "
+                               f"{heads} attention heads (and no head_dim of its own)")
+
+
 def load_hf_model(folder: Path, device: str):
     """Load the HF model of `folder` for the bridge (eager attention), raising BadWeights on any weight defect."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
     from transformer_lens.model_bridge.sources.transformers.helpers import get_hf_model_class_for_architecture
     from transformers import AutoConfig
@@ -204,11 +241,15 @@ def load_hf_model(folder: Path, device: str):
     if not any(folder.glob("*.safetensors")):
         raise ModelUnavailable(f"folder '{folder}' has no *.safetensors weights")
     try:
-        config = AutoConfig.from_pretrained(str(folder), output_attentions=True, local_files_only=True)
+        check_attention_implementation(json.loads((folder / "config.json").read_text()), folder)
+        config = AutoConfig.from_pretrained(str(folder), output_attentions=True, attn_implementation="eager",
+                                            local_files_only=True)
         architecture = determine_architecture_from_hf_config(config)
         model_class = get_hf_model_class_for_architecture(architecture)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelUnavailable(f"cannot read the model config in '{folder}': {first_line(e)}") from None
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
+        raise ModelUnavailable(f"cannot read the model config in '{folder}': {first_line(cause)}") from None
+    check_head_counts(config, folder)
     if getattr(config, "is_encoder_decoder", False):
         raise ModelUnavailable(f"unsupported architecture (encoder–decoder) {architecture} in '{folder}': headgraph "
                                "analyses one stack of attention heads, a decoder-only or encoder-only model")
@@ -275,17 +316,31 @@ def check_head_weights(weights: dict[str, torch.Tensor], cfg: dict) -> None:
             raise BadWeights(f"{name} is zero in every head: the checkpoint holds no attention weights to compare")
 
 
+def _first_W_Q(bridge) -> torch.Tensor | None:
+    """A copy of layer 0's W_Q, or None where layer 0 has no attention (a hybrid's state-space layer)."""
+    attn = getattr(bridge.blocks[0], "attn", None)
+    return None if attn is None else attn.W_Q.detach().clone()
+
+
 def apply_processing(bridge, processing: str) -> list[str]:
-    """Apply TransformerLens' weight processing for "tl"; returns the warnings it raised (e.g. fold_ln unsupported)."""
+    """Apply TransformerLens' weight processing for "tl"; returns the warnings it raised (e.g. fold_ln unsupported).
+
+    TransformerLens warns that an adapter "does not support fold_ln" also where the adapter folds the norms
+    itself (Phi-3's joint QKV projection: its RMSNorm scale is multiplied into W_Q, W_K, W_V): that warning is
+    dropped when the processing changed layer 0's W_Q, which only a folded norm does (centring and value-bias
+    folding leave the reading weights as they are)."""
     if processing == "raw":
         return []
+    before = _first_W_Q(bridge)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             bridge.enable_compatibility_mode(disable_warnings=True)
         except (RuntimeError, NotImplementedError) as e:
             raise UsageError(f"processing 'tl' is not supported for this model ({first_line(e)}); use raw") from None
-    return sorted({str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)})
+    folded = before is not None and not torch.equal(before, _first_W_Q(bridge))
+    notes = {str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)}
+    return sorted(n for n in notes if not (folded and "does not support fold_ln" in n))
 
 
 def _is_instance(model, module: str, name: str) -> bool:
