@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from headgraph.analysis import prompts as P
+from headgraph.errors import UsageError
 from headgraph.loader.models import minilm_dir
 from headgraph.testing.synthetic import save_tokenizer
 
@@ -140,3 +141,61 @@ def test_inputs_by_length_keep_every_row_whole_shortest_first(bert_tokenizer):
     padded = {inputs is y: sum(inputs.batch(s, s + 8).attention_mask.numel() for s in range(0, 40, 8))
               for inputs in (x, y)}
     assert padded[True] < padded[False]
+
+
+def test_sentence_pairs_of_a_tokenizer_without_cls_or_sep_have_neither(gpt_tokenizer):
+    assert gpt_tokenizer.cls_token is None and gpt_tokenizer.sep_token is None
+    x = P.sentence_pair_inputs(gpt_tokenizer, 6, seed=0)
+    real = x.attention_mask
+    assert set(x.token_kind[real].tolist()) == {P.KIND_A, P.KIND_B}  # the two segments, back to back
+    first_b = (x.token_kind == P.KIND_B).int().argmax(-1)
+    assert ((x.token_kind == P.KIND_A).sum(-1) == first_b).all()
+    assert P.missing_pair_tokens(gpt_tokenizer) == {"cls": "the tokenizer has no cls_token",
+                                                     "sep": "the tokenizer has no sep_token"}
+
+
+def test_a_bos_between_the_segments_is_neither_cls_nor_sep(tmp_path):
+    """A generic pair template `<s> A <s> B` (what a RoBERTa tokenizer saved as a plain fast tokenizer becomes
+    once TransformerLens asks it for a BOS): the first <s> is the CLS token, the middle one no delimiter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from headgraph.testing.synthetic import TOKENIZER_CORPUS
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(TOKENIZER_CORPUS.split("\n"), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                       special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", cls_token="<s>", sep_token="</s>",
+                                        pad_token="<pad>")
+    x = P.sentence_pair_inputs(tokenizer, 4, seed=0)
+    middle = x.attention_mask & (x.input_ids == 0) & (torch.arange(x.input_ids.shape[1]) > 0)
+    assert (middle.sum(-1) == 1).all()
+    assert (x.token_kind[middle] == P.KIND_SPECIAL).all() and (x.token_kind[:, 0] == P.KIND_CLS).all()
+    assert not (x.token_kind == P.KIND_SEP).any()
+    assert P.missing_pair_tokens(tokenizer) == {"sep": "the tokenizer's sentence pairs do not contain its "
+                                                       "sep_token '</s>'"}
+
+
+def test_sentence_pairs_of_a_roberta_tokenizer_mark_its_own_delimiters(tmp_path):
+    from headgraph.testing.families import save_roberta_tokenizer
+
+    save_roberta_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    x = P.sentence_pair_inputs(tokenizer, 6, seed=0)
+    assert (x.input_ids[:, 0] == 0).all() and (x.token_kind[:, 0] == P.KIND_CLS).all()
+    assert ((x.token_kind == P.KIND_SEP) == (x.input_ids == 2)).all()  # <s> A </s></s> B </s>
+    assert ((x.token_kind == P.KIND_SEP).sum(-1) == 3).all() and P.missing_pair_tokens(tokenizer) == {}
+
+
+def test_repeated_tokens_need_an_ordinary_token(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    only_specials = Tokenizer(models.WordLevel({"<s>": 0, "<unk>": 1}, unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=only_specials, bos_token="<s>", unk_token="<unk>")
+    with pytest.raises(UsageError, match="no ordinary token among the model's first 2 ids"):
+        P.repeated_token_inputs(tokenizer, 2, vocab_size=2)

@@ -7,7 +7,9 @@ Three input sets, each returned as a `TokenInputs` (right-padded token tensors p
 - `repeated_token_inputs`: BOS, then a random token sequence, then the same sequence again (induction,
   previous-token and duplicate-token heads).
 - `sentence_pair_inputs`: `[CLS] A [SEP] B [SEP]` pairs of sentences from a small grammar whose dependency arcs
-  (nsubj, dobj, amod, advmod) are known by construction, aligned to word pieces by character offsets.
+  (nsubj, dobj, amod, advmod) are known by construction, aligned to word pieces by character offsets. The
+  delimiters are the tokenizer's own: a tokenizer whose pairs have no CLS or SEP token yields pairs without them
+  (`missing_pair_tokens` says which).
 """
 
 from dataclasses import dataclass, replace
@@ -17,8 +19,9 @@ import torch
 
 from headgraph.errors import UsageError
 
-# token_kind codes of `TokenInputs.token_kind` (sentence pairs)
-KIND_PAD, KIND_A, KIND_B, KIND_CLS, KIND_SEP = 0, 1, 2, 3, 4
+# token_kind codes of `TokenInputs.token_kind` (sentence pairs); KIND_SPECIAL: a token the tokenizer adds that is
+# neither its CLS (first) nor its SEP token, e.g. a BOS a generic pair template puts between the segments
+KIND_PAD, KIND_A, KIND_B, KIND_CLS, KIND_SEP, KIND_SPECIAL = 0, 1, 2, 3, 4, 5
 RELATIONS = ("nsubj", "dobj", "amod", "advmod")
 
 NAMES = (
@@ -200,6 +203,9 @@ def repeated_token_inputs(tokenizer, n: int, seed: int = 0, length: int = 20, vo
     bos = _bos_id(tokenizer)
     vocab = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     allowed = np.setdiff1d(np.arange(vocab), np.asarray(tokenizer.all_special_ids, dtype=np.int64))
+    if allowed.size == 0:
+        raise UsageError(f"the tokenizer has no ordinary token among the model's first {vocab} ids: the "
+                         "repeated-token inputs are drawn from them")
     r = _rng(seed, 3).choice(allowed, size=(n, length))
     ids = torch.as_tensor(np.concatenate([np.full((n, 1), bos), r, r], axis=1), dtype=torch.long)
     return TokenInputs("repeated_tokens", ids, torch.ones_like(ids, dtype=torch.bool))
@@ -225,8 +231,12 @@ def sentence_pair_inputs(tokenizer, n: int, seed: int = 0, sentences_per_segment
                     return_offsets_mapping=True, return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"].bool()
     seq_ids = torch.tensor([[-1 if s is None else s for s in enc.sequence_ids(row)] for row in range(n)])
-    kind = torch.where(seq_ids == 0, KIND_A, torch.where(seq_ids == 1, KIND_B, KIND_SEP))
-    kind[:, 0] = torch.where(ids[:, 0] == tokenizer.cls_token_id, KIND_CLS, kind[:, 0])
+    kind = torch.where(seq_ids == 0, KIND_A, torch.where(seq_ids == 1, KIND_B, KIND_SPECIAL))
+    if tokenizer.sep_token_id is not None:
+        kind = torch.where((kind == KIND_SPECIAL) & (ids == tokenizer.sep_token_id), KIND_SEP, kind)
+    if tokenizer.cls_token_id is not None:
+        kind[:, 0] = torch.where((kind[:, 0] == KIND_SPECIAL) & (ids[:, 0] == tokenizer.cls_token_id), KIND_CLS,
+                                 kind[:, 0])
     kind = torch.where(mask, kind, KIND_PAD)
     length = ids.shape[1]
     arcs = {r: torch.zeros((n, length, length), dtype=torch.bool) for r in RELATIONS}
@@ -238,6 +248,18 @@ def sentence_pair_inputs(tokenizer, n: int, seed: int = 0, sentences_per_segment
                 gov = torch.tensor([g for _, g, r in sentence.arcs if r == rel], dtype=torch.long)
                 arcs[rel][row] |= (pieces[dep][:, :, None] & pieces[gov][:, None, :]).any(0)
     return TokenInputs("sentence_pairs", ids, mask, enc.get("token_type_ids"), kind, arcs)
+
+
+def missing_pair_tokens(tokenizer) -> dict[str, str]:
+    """{"cls" / "sep": why} for the delimiter the tokenizer's sentence pairs lack (none for a BERT or RoBERTa
+    tokenizer): a [CLS] first, a [SEP] after a segment. Read off one encoded pair."""
+    kind = sentence_pair_inputs(tokenizer, 1).token_kind
+    missing = {}
+    for name, code, token in (("cls", KIND_CLS, tokenizer.cls_token), ("sep", KIND_SEP, tokenizer.sep_token)):
+        if not (kind == code).any():
+            missing[name] = (f"the tokenizer has no {name}_token" if token is None else
+                             f"the tokenizer's sentence pairs do not contain its {name}_token {token!r}")
+    return missing
 
 
 def text_inputs(tokenizer, texts: list[str], decoder: bool, name: str = "texts") -> TokenInputs:

@@ -62,8 +62,8 @@ from scipy import stats
 from headgraph.analysis.artifacts import head_index, role_names
 from headgraph.analysis.patterns import capture_patterns, iter_patterns
 from headgraph.analysis.prompts import (
-    KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, repeated_token_inputs,
-    sentence_pair_inputs,
+    KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, missing_pair_tokens,
+    repeated_token_inputs, sentence_pair_inputs,
 )
 from headgraph.analysis.options import CORRECTIONS, RoleOptions
 from headgraph.analysis.significance import benjamini_hochberg
@@ -367,12 +367,30 @@ def _sequential_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causa
             {name: test.counts() for name, test in tests.items()})
 
 
-def check_tokenizer(model) -> None:
-    """ModelUnavailable unless the LoadedModel has a tokenizer with a vocabulary: the role tests' inputs are
-    text. A folder without tokenizer files still loads (its tokenizer is empty) and analyzes with --no-roles."""
-    if model.tokenizer is None or not model.tokenizer.vocab_size:
-        raise ModelUnavailable(f"'{model.source}' has no tokenizer files (tokenizer.json, or e.g. vocab.json + "
+def check_tokenizer(model) -> dict[str, str]:
+    """The roles the LoadedModel's tokenizer cannot test, each with why: an encoder's "cls" / "sep" when its
+    sentence pairs have no such token, and "delimiter" when they have neither. ModelUnavailable when it cannot
+    make the role tests' inputs (text) at all: no tokenizer (a folder without tokenizer files still loads and
+    analyzes with --no-roles), or token ids, BOS included, beyond the model's vocabulary (a tokenizer not the
+    model's, or one without a BOS or EOS token, to which TransformerLens adds an `<|endoftext|>` of its own)."""
+    tokenizer, source, vocab = model.tokenizer, model.source, int(model.bridge.cfg.d_vocab)
+    if tokenizer is None or not tokenizer.vocab_size:
+        raise ModelUnavailable(f"'{source}' has no tokenizer files (tokenizer.json, or e.g. vocab.json + "
                                "merges.txt), which the role tests need: add them, or analyze with --no-roles")
+    decoder = bool(model.cfg["is_decoder"])
+    for name in input_set_names(decoder):
+        ids = input_set(model, name, 2, 0).input_ids
+        if int(ids.max()) >= vocab:
+            bos = f" (its BOS {tokenizer.bos_token!r} is id {int(ids[0, 0])})" if decoder else ""
+            raise ModelUnavailable(f"the tokenizer of '{source}' gives token ids up to {int(ids.max())}{bos}, beyond "
+                                   f"the model's {vocab} tokens: it is not this model's tokenizer, or lacks a BOS/EOS "
+                                   "token of the model's own; fix its tokenizer files, or analyze with --no-roles")
+    if decoder:
+        return {}
+    skipped = missing_pair_tokens(tokenizer)
+    if len(skipped) == 2:
+        skipped["delimiter"] = "the tokenizer's sentence pairs contain neither a cls_token nor a sep_token"
+    return skipped
 
 
 def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.DataFrame, dict]:
@@ -383,14 +401,15 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     repeated random tokens. Encoder roles on sentence pairs: identity, local, delimiter, cls, sep, block,
     block_entropy, syntactic_{nsubj,dobj,amod,advmod}, syntactic. `progress` is an optional
     rich.progress.Progress that gets one task advanced per batch. meta["inputs"][set]["n"] is the inputs each
-    set used (sequential: at most n_inputs), meta["settled"] (sequential) how each role's heads ended. A role
+    set used (sequential: at most n_inputs), meta["settled"] (sequential) how each role's heads ended,
+    meta["skipped_roles"] the roles the tokenizer cannot test and why (check_tokenizer). A role
     flagged here is a statistical statement about attention on generated inputs, not a claim about what the head
     does for the model's output.
     """
     options = RoleOptions(**settings)
-    check_tokenizer(model)
+    skipped = check_tokenizer(model)
     causal = bool(model.cfg["is_decoder"])
-    roles = DECODER_ROLES if causal else ENCODER_ROLES
+    roles = tuple(r for r in (DECODER_ROLES if causal else ENCODER_ROLES) if r.name not in skipped)
     inputs = {name: input_set(model, name, options.n_inputs, seed) for name in input_set_names(causal)}
     batches = {name: -(-len(x) // options.batch_size) for name, x in inputs.items()}
     task = None
@@ -449,6 +468,8 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     }
     if settled:
         meta["settled"] = settled
+    if skipped:
+        meta["skipped_roles"] = skipped
     if not causal:
         meta["block_variants"] = {"block": "plain sieve bias ratio",
                                   "block_entropy": "ratio times the attention row's entropy in nats "
