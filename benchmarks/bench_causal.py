@@ -37,8 +37,11 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
     inputs = causal_inputs(model, n_inputs)
     tokens = sum(int(x.attention_mask.sum()) for x in inputs)
     started = time.perf_counter()
-    local = local_effects(model, inputs, n_boot=n_boot)
+    local = local_effects(model, inputs, n_boot=n_boot, attribution=False)
     local_s = time.perf_counter() - started
+    started = time.perf_counter()
+    local_effects(model, inputs, n_boot=n_boot)
+    attribution_s = time.perf_counter() - started - local_s  # the gradient passes and their products
     edges = local.sort_values("effect", ascending=False).head(n_edges)
     started = time.perf_counter()
     loss_effects(model, inputs, edges, n_boot=n_boot)
@@ -46,6 +49,8 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
     n = sum(len(x.input_ids) for x in inputs)
     print(f"{name}: {n} inputs ({tokens} tokens), {len(local)} pairs")
     print(f"  local_effects {local_s:7.2f} s = {local_s / n:.3f} s per input, {len(local) / local_s:,.0f} pairs/s")
+    if model.cfg["is_decoder"]:
+        print(f"  attribution: {len(local)} pairs in {attribution_s:.2f} s (beside the local effects)")
     print(f"  loss_effects  {loss_s:7.2f} s = {loss_s / max(len(edges), 1):.2f} s per edge ({len(edges)} edges)")
     return local_s / len(local) / n
 
