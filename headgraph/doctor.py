@@ -1,10 +1,14 @@
-"""`headgraph doctor`: what this installation has — versions, torch device, stores, offline models."""
+"""`headgraph doctor`: what this installation has — versions, torch device, stores, offline models, and the
+model families with what headgraph computes on each."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
+from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 from headgraph.errors import HeadgraphError
 
@@ -62,6 +66,65 @@ def embedded_status(path: str) -> str:
     return f"{os.path.abspath(path)} (readable: {counts})"
 
 
+@dataclass(frozen=True)
+class Family:
+    """A model family and what headgraph computes on it, as checked on a tiny checkpoint of it
+    (headgraph.testing.families, tests/test_families.py). `adapter` names TransformerLens' module for it."""
+
+    name: str
+    architecture: str
+    adapter: str
+    pk: bool = True
+    roles: bool = True
+    causal: bool = True
+
+
+FAMILIES = (
+    Family("GPT-2", "GPT2LMHeadModel", "gpt2"),
+    Family("OPT", "OPTForCausalLM", "opt"),
+    Family("BERT", "BertForMaskedLM", "bert"),
+    Family("RoBERTa", "RobertaForMaskedLM", "roberta"),
+    Family("Llama (grouped- and multi-query, Llama 3 rope scaling)", "LlamaForCausalLM", "llama"),
+    Family("Qwen2", "Qwen2ForCausalLM", "qwen2"),
+    Family("Qwen3 (QK-norm)", "Qwen3ForCausalLM", "qwen3"),
+    Family("Mistral (sliding window)", "MistralForCausalLM", "mistral"),
+    Family("Gemma 2 (soft-capping, sliding window)", "Gemma2ForCausalLM", "gemma2"),
+    Family("Gemma 3 (QK-norm)", "Gemma3ForCausalLM", "gemma3"),
+    Family("Pythia / GPT-NeoX (partial rotary, parallel)", "GPTNeoXForCausalLM", "neox"),
+    Family("Phi-3", "Phi3ForCausalLM", "phi3"),
+    Family("OLMo-2 (QK-norm, norms after attention)", "Olmo2ForCausalLM", "olmo2"),
+    Family("GPT-J (parallel)", "GPTJForCausalLM", "gptj"),
+    Family("Phi-2 (partial rotary, parallel)", "PhiForCausalLM", "phi"),
+    Family("BLOOM (ALiBi)", "BloomForCausalLM", "bloom"),
+    Family("MPT (ALiBi)", "MptForCausalLM", "mpt"),
+    Family("Falcon (multi-query)", "FalconForCausalLM", "falcon"),
+)
+
+
+def _adapters_dir() -> Path | None:
+    """TransformerLens' folder of architecture adapters, found without importing it (that takes seconds)."""
+    spec = importlib.util.find_spec("transformer_lens")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "model_bridge" / "supported_architectures"
+
+
+def family_rows() -> list[tuple[str, str]]:
+    """One row per model family: its architecture, what headgraph computes on it, and whether the installed
+    TransformerLens has its adapter (without one, the family does not load at all)."""
+    adapters = _adapters_dir()
+    rows = []
+    for f in FAMILIES:
+        if adapters is None or not (adapters / f"{f.adapter}.py").is_file():
+            rows.append((f.name, f"{f.architecture}: no adapter in the installed TransformerLens"))
+            continue
+        stages = {"PK": f.pk, "roles": f.roles, "causal": f.causal}
+        missing = [name for name, ok in stages.items() if not ok]
+        value = f"{f.architecture}: " + ", ".join(name for name, ok in stages.items() if ok)
+        rows.append((f.name, value + (f" (no {', '.join(missing)} yet)" if missing else "")))
+    return rows
+
+
 def report(db: str, neo4j_uri: str | None, user: str, password: str) -> list[tuple[str, str]]:
     """All the facts doctor prints, as (label, value) rows."""
     from headgraph.loader.models import offline_models
@@ -73,4 +136,4 @@ def report(db: str, neo4j_uri: str | None, user: str, password: str) -> list[tup
         ("embedded store", embedded_status(db)),
         ("offline models", ", ".join(offline_models()) or "none"),
     ]
-    return rows
+    return rows + family_rows()

@@ -149,3 +149,16 @@ def _pk_calibration_cache(tmp_path_factory):
     else:
         _pk_os.environ["HEADGRAPH_CACHE_DIR"] = previous
 # ---- end PK calibration ----
+
+# ---- family fixtures (helper "families"): one tiny random-init checkpoint of every model family ----
+import pytest as _families_pytest
+
+
+@_families_pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """{family: folder} of every family of headgraph.testing.families.FAMILIES, built once per session."""
+    from headgraph.testing.families import FAMILIES, save_family
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: save_family(name, root / name) for name in FAMILIES}
+# ---- end family fixtures ----
