@@ -16,11 +16,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from headgraph.analysis import significance
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, head_index
-from headgraph.analysis.composition import composition_scores
+from headgraph.analysis.composition import composition_scores_from_factors
 from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_bases
 from headgraph.analysis.reference import (beta_parameters, histogram_edges, isotropic_log10_p, isotropic_moments,
                                           isotropic_z, kl_divergence, sample_isotropic_pk)
-from headgraph.analysis.subspaces import model_subspaces, rank_deficient_heads
+from headgraph.analysis.subspaces import head_statistics, rank_deficient_heads
 from headgraph.analysis.options import PKOptions
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES, WEIGHT_TYPES, head_name, parse_types
@@ -82,15 +82,36 @@ def typed_head_name(layer: int, head: int, weight_type: str, kv_group: int) -> s
     return head_name(layer, head, kv=kv_group > 1 and weight_type in ("K", "V"))
 
 
+def _layers(model):
+    """The model's per-layer weights: read one layer at a time from its checkpoint (a streamed model's
+    `head_layers`), or sliced from a loaded model's W_Q ... W_O."""
+    if hasattr(model, "head_layers"):
+        yield from model.head_layers()
+        return
+    for layer in range(model.cfg["n_layers"]):
+        yield {name: getattr(model, name)[layer] for name in ("W_Q", "W_K", "W_V", "W_O")}
+
+
+def _composition_modes(ctx: Context) -> tuple[str, ...]:
+    """The CS modes the run computes: OQ / OK / OV among its types (only OQ for grouped-query models)."""
+    kv_group = _kv_group(ctx.model)
+    return tuple(tp[1] for tp in ctx.options.pk.types if tp in COMPOSITION_TYPES and (kv_group == 1 or tp == "OQ"))
+
+
 def subspaces(ctx: Context) -> None:
-    """Orthonormal bases and numerical ranks of every head for all four weight types."""
-    opts, model = ctx.options.pk, ctx.model
-    task = ctx.progress.add_task("subspaces (thin SVD)", total=1)
-    dtype = DTYPES[opts.dtype]
-    ctx.weights = {t: getattr(model, f"W_{t}").to(device=opts.device, dtype=dtype) for t in WEIGHT_TYPES}
-    ctx.subspaces = model_subspaces(ctx.weights, set(WEIGHT_TYPES), dtype, torch.device(opts.device),
-                                    opts.rank_tolerance)
-    ctx.progress.advance(task)
+    """Orthonormal bases and numerical ranks of every head for all four weight types, with each type's second
+    moment (the null's) and the CS factors, built layer by layer: a streamed model is never held whole."""
+    opts = ctx.options.pk
+    task = ctx.progress.add_task("subspaces (thin SVD)", total=ctx.model.cfg["n_layers"])
+
+    def layers():
+        for weights in _layers(ctx.model):
+            yield weights
+            ctx.progress.advance(task)
+
+    ctx.statistics = head_statistics(layers(), ctx.model.cfg["n_layers"], DTYPES[opts.dtype],
+                                     torch.device(opts.device), opts.rank_tolerance, _composition_modes(ctx))
+    ctx.subspaces = ctx.statistics.subspaces
 
 
 def projection_kernel(ctx: Context) -> None:
@@ -166,7 +187,8 @@ def model_null(ctx: Context) -> None:
     """p_model per edge against the second-moment null (empirical, Beta-fitted far tail), and BH q_model within
     each type pair."""
     opts = ctx.options.pk
-    sets = significance.null_head_sets(ctx.weights, {c for tp in opts.types for c in tp}, opts.null_heads, opts.seed)
+    widths = {t: sub.width for t, sub in ctx.subspaces.items()}
+    sets = significance.null_head_sets(ctx.statistics.moments, widths, opts.types, opts.null_heads, opts.seed)
     with _within_memory():
         plan = significance.plan_null(sets, opts.types, opts.max_memory)
     task = ctx.progress.add_task("model-matched null", total=len(plan.tiles))
@@ -185,19 +207,19 @@ def model_null(ctx: Context) -> None:
 def composition(ctx: Context) -> None:
     """Composition Scores for the OQ / OK / OV pairs (null where undefined: other type pairs, and OK / OV of
     grouped-query models, whose PK pairs are per native KV head)."""
-    opts = ctx.options.pk
-    kv_group = _kv_group(ctx.model)
-    wanted = [tp for tp in opts.types if tp in COMPOSITION_TYPES and (kv_group == 1 or tp == "OQ")]
+    opts, stats = ctx.options.pk, ctx.statistics
+    wanted = [f"O{mode}" for mode in _composition_modes(ctx)]
     task = ctx.progress.add_task("composition scores", total=max(1, len(wanted)))
+    layers = ctx.subspaces["Q"].flat_layers()
+    mask = pair_mask(layers, layers, opts.full_matrix, same_type=False)
     for tp in opts.types:
         edges = ctx.edges[tp]
         edges.columns["cs"] = np.full(len(edges.src), np.nan)
         if tp not in wanted:
             continue
-        w = ctx.weights
-        layers = ctx.subspaces["Q"].flat_layers()
-        mask = pair_mask(layers, layers, opts.full_matrix, same_type=False)
-        cs = composition_scores(w["Q"], w["K"], w["V"], w["O"], tp[1], mask, opts.max_memory)
+        cs = composition_scores_from_factors(ctx.subspaces["O"].bases, stats.composition["O"],
+                                             ctx.subspaces[tp[1]].bases, stats.composition[tp[1]], mask,
+                                             opts.max_memory)
         edges.columns["cs"] = cs.cpu().double().numpy()[edges.src, edges.tgt]
         ctx.progress.advance(task)
 
@@ -287,9 +309,21 @@ def _run_record(ctx: Context, pairs: pd.DataFrame) -> RunRecord:
 def run_pk(ctx: Context) -> None:
     """The PK_STAGES on ctx.model, through the runner of every stage, then ctx.result: the pairs and heads tables
     and the PK's run record (its `timings_s`: the seconds of each PK stage)."""
+    ctx.engine["weights"] = _weights_record(ctx.model)
     run_stages(ctx, PK_STAGES, ctx.pk_stages)
     pairs = _pairs_table(ctx)
     ctx.result = AnalysisResult(run=_run_record(ctx, pairs), pairs=pairs, heads=_heads_table(ctx))
+    ctx.statistics, ctx.subspaces, ctx.edges = None, {}, {}  # released before any forward pass loads the model
+    if hasattr(ctx.model, "allow_loading"):
+        ctx.model.allow_loading()
+
+
+def _weights_record(model) -> dict:
+    """run.json engine.weights: how the PK stages read the weights, and the dtype of the forward passes."""
+    if hasattr(model, "head_layers"):
+        return {"read": "streamed layer by layer from the safetensors shards", "stored_dtypes": list(model.stored_dtypes),
+                "forward_dtype": "float32 (the whole model, loaded only for the stages after the PK)"}
+    return {"read": "from the loaded model", "forward_dtype": str(next(model.bridge.parameters()).dtype).removeprefix("torch.")}
 
 
 def compute_pk(model, types=None, *, options: PKOptions | None = None, progress: bool = True,

@@ -57,3 +57,22 @@ def composition_scores(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, 
     left_norm = left.square().sum(dim=(1, 2)).sqrt()
     right_norm = right.square().sum(dim=(1, 2)).sqrt()
     return numerator / (left_norm[:, None] * right_norm[None, :])
+
+
+def composition_scores_from_factors(source_bases: torch.Tensor, source_factors: torch.Tensor,
+                                    target_bases: torch.Tensor, target_factors: torch.Tensor, mask: torch.Tensor,
+                                    max_memory: int) -> torch.Tensor:
+    """CS as composition_scores computes it, from what headgraph.analysis.subspaces.head_statistics keeps of the
+    weights: per query head its basis U [L, H, d, k] (a grouped-query K/V basis repeated for the query heads that
+    read it) and the k x k factor C of the composition factor U C."""
+    n_heads = source_factors.shape[1]
+
+    def factor(bases, factors):
+        expanded = bases.repeat_interleave(n_heads // bases.shape[1], dim=1)
+        return (expanded @ factors).reshape(-1, expanded.shape[-2], factors.shape[-1])
+
+    left, right = factor(source_bases, source_factors), factor(target_bases, target_factors)
+    numerator = pk_matrix(left, right, mask, max_memory, formulation="gram").sqrt()
+    left_norm = left.square().sum(dim=(1, 2)).sqrt()
+    right_norm = right.square().sum(dim=(1, 2)).sqrt()
+    return numerator / (left_norm[:, None] * right_norm[None, :])

@@ -51,25 +51,34 @@ def null_bases(root: torch.Tensor, n_heads: int, width: int, generator: torch.Ge
     """Orthonormal bases [n_heads, d, width] of the column space of Sigma^(1/2) G, G Gaussian, from
     root = sigma_root(Sigma) (V diag(sqrt lambda) G has the same law, the rotation V^T being absorbed by G)."""
     gaussian = torch.randn(n_heads, root.shape[0], width, generator=generator, dtype=root.dtype)
-    draws = root @ gaussian.to(root.device)
-    return orthonormal_bases(draws.unsqueeze(0), "null", root.dtype).bases[0]
+    return orthonormal_bases((root @ gaussian.to(root.device)).unsqueeze(0), "null", root.dtype).bases[0]
 
 
-def null_head_sets(weights: dict[str, torch.Tensor], types: set[str], n_heads: int,
-                   seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Two independent sets (one for sources, one for targets) of n_heads null bases per weight type, so that
-    a same-type pair (e.g. QQ) compares independent draws."""
+def null_head_sets(moments: dict[str, torch.Tensor], widths: dict[str, int], type_pairs, n_heads: int,
+                   seed: int) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Two independent sets (one for sources, one for targets) of n_heads null bases per weight type, from each
+    type's second moment (`moments`, e.g. HeadStatistics.moments) and head width, so that a same-type pair
+    (e.g. QQ) compares independent draws. Only the sets `type_pairs` read are computed (None for the others);
+    their Gaussian draws are still taken, so every set is the same whichever type pairs are asked."""
     generator = torch.Generator().manual_seed(seed)
+    sources, targets = {tp[0] for tp in type_pairs}, {tp[1] for tp in type_pairs}
     sets = {}
-    for weight_type in sorted(types):
-        root = sigma_root(second_moment(weights[weight_type], weight_type))
-        width = head_matrices(weights[weight_type], weight_type).shape[-1]
-        sets[weight_type] = (null_bases(root, n_heads, width, generator), null_bases(root, n_heads, width, generator))
+    for weight_type in sorted(sources | targets):
+        root = sigma_root(moments[weight_type])
+        pair = []
+        for used in (weight_type in sources, weight_type in targets):
+            if used:
+                pair.append(null_bases(root, n_heads, widths[weight_type], generator))
+            else:
+                torch.randn(n_heads, root.shape[0], widths[weight_type], generator=generator, dtype=root.dtype)
+                pair.append(None)
+        sets[weight_type] = tuple(pair)
     return sets
 
 
-def _named_sets(sets: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"{t}_{side}": heads for t, pair in sets.items() for side, heads in zip(("source", "target"), pair)}
+def _named_sets(sets: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+    return {f"{t}_{side}": heads for t, pair in sets.items() for side, heads in zip(("source", "target"), pair)
+            if heads is not None}
 
 
 def plan_null(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], type_pairs, max_memory: int) -> PKPlan:

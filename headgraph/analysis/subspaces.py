@@ -143,3 +143,55 @@ def rank_deficient_heads(subspaces: dict[str, SubspaceBases]) -> list[dict]:
             records.append({"type": weight_type, "layer": layer, "head": head,
                             "rank": int(sub.ranks[layer, head]), "d_head": sub.width})
     return records
+
+
+@dataclass(frozen=True)
+class HeadStatistics:
+    """What the PK stages keep of a model's weights, built one layer at a time (`head_statistics`): each type's
+    bases, each type's second moment Sigma_T = mean over heads of M M^T / d_head (the model-matched null's,
+    headgraph.analysis.significance), and the Composition Scores' k x k factors per query head (`composition`:
+    "O" for the source's W_OV, and per mode "Q", "K", "V" for the target's circuit; headgraph.analysis.composition).
+    A factor C of head matrix F = U C (U the head's basis) stands for F with its components outside the head's
+    numerical rank dropped, a change of the order of the rank threshold."""
+
+    subspaces: dict[str, SubspaceBases]
+    moments: dict[str, torch.Tensor]
+    composition: dict[str, torch.Tensor]
+
+
+def head_statistics(layers, n_layers: int, dtype: torch.dtype, device: torch.device, tolerance_scale: float = 1.0,
+                    composition_modes: tuple[str, ...] = ()) -> HeadStatistics:
+    """HeadStatistics of `layers`, an iterable of one dict per layer {"W_Q": [H, d, k], "W_K", "W_V": [KV, d, k],
+    "W_O": [H, k, d]} in TransformerLens layout (a streamed checkpoint's, or a loaded model's layer by layer):
+    only the bases, moments and factors are kept, never the weights."""
+    from headgraph.analysis.composition import composition_factors
+
+    bases, singular, moments, counts, factors = {}, {}, {}, {}, {}
+    for layer, weights in enumerate(layers):
+        w = {t: weights[f"W_{t}"].to(device=device, dtype=dtype) for t in WEIGHT_TYPES}
+        for t in WEIGHT_TYPES:
+            matrices = head_matrices(w[t].unsqueeze(0), t)
+            if t not in bases:
+                bases[t] = torch.empty((n_layers, *matrices.shape[1:]), dtype=dtype, device=device)
+                singular[t] = torch.empty((n_layers, *matrices.shape[1:-2], min(matrices.shape[-2:])), dtype=dtype,
+                                          device=device)
+                moments[t] = torch.zeros(matrices.shape[-2], matrices.shape[-2], dtype=dtype, device=device)
+                counts[t] = 0
+            found = orthonormal_bases(matrices, t, dtype, tolerance_scale)
+            bases[t][layer], singular[t][layer] = found.bases[0], found.singular_values[0]
+            stacked = matrices[0].permute(1, 0, 2).reshape(matrices.shape[-2], -1)
+            moments[t].addmm_(stacked, stacked.T)
+            counts[t] += stacked.shape[1]
+        for mode in composition_modes:
+            left, right = composition_factors(*(w[t].unsqueeze(0) for t in WEIGHT_TYPES), mode)
+            n_heads = left.shape[1]
+            u_left = bases["O"][layer:layer + 1]
+            u_right = bases[mode][layer:layer + 1].repeat_interleave(n_heads // bases[mode].shape[1], dim=1)
+            for key, u, f in (("O", u_left, left), (mode, u_right, right)):
+                if key not in factors:
+                    factors[key] = torch.empty(n_layers, n_heads, f.shape[-1], f.shape[-1], dtype=dtype, device=device)
+                factors[key][layer] = (u.transpose(-2, -1) @ f)[0]
+    tolerance = {t: tolerance_scale * rank_tolerance(tuple(bases[t].shape[-2:]), dtype) for t in bases}
+    subspaces = {t: SubspaceBases(t, bases[t], (singular[t] > singular[t][..., :1] * tolerance[t]).sum(dim=-1),
+                                  singular[t]) for t in WEIGHT_TYPES}
+    return HeadStatistics(subspaces, {t: moments[t] / counts[t] for t in WEIGHT_TYPES}, factors)
