@@ -38,7 +38,7 @@ class Context:
     tokenizer: Any = None  # the tokenizer given with a loaded model, if any
     model: Any = None  # the LoadedModel (headgraph.loader.models)
     # the PK stages' work (headgraph.pipeline): per weight type, per type pair, and what run.json says of it
-    weights: dict[str, Any] = field(default_factory=dict)
+    statistics: Any = None  # what the PK stages keep of the weights (headgraph.analysis.subspaces.HeadStatistics)
     subspaces: dict[str, Any] = field(default_factory=dict)
     edges: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
