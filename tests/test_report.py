@@ -12,10 +12,12 @@ import pytest
 from _runfolder import build_bases, plant, write_run
 
 from headgraph.analysis.classes import HeadClasses
-from headgraph.analysis.selection import SelectionPolicy
+from headgraph.analysis.evaluation import CAUSAL_THRESHOLD, causal_evaluation
+from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.cli import main
 from headgraph.errors import UsageError
-from headgraph.report.report import render_report, role_counts_by_layer
+from headgraph.report.report import (findings_warnings, render_report, report_blocks, role_counts_by_layer, to_html,
+                                     to_markdown)
 from headgraph.runs import RunRecord, load_run, resolve_run_dir
 
 TOP_K = 5
@@ -188,3 +190,111 @@ def test_a_stored_run_id_resolves_to_its_folder(rendered, tmp_path):
     assert resolve_run_dir("report-test-run", spec) == rendered["dir"]
     with pytest.raises(UsageError, match="neither a run folder nor a run id"):
         resolve_run_dir("no-such-run", spec)
+
+
+# ---------- findings first: `headgraph analyze` on the planted model (conftest), every stage run ----------
+
+ANALYSED_TOP_K = 4
+
+
+@pytest.fixture(scope="module")
+def analysed(planted, tmp_path_factory):
+    """(truth, run folder) of `headgraph analyze` on the planted model with roles and causal effects, its report
+    rendered by analyze itself."""
+    folder, truth = planted
+    out = tmp_path_factory.mktemp("analysed") / "run"
+    main(["analyze", str(folder), "--no-store", "--out", str(out), "--top-k", str(ANALYSED_TOP_K), "--causal-n", "8",
+          "--n-inputs", "40", "--null-heads", "40", "--reference-samples", "2000", "--json"])
+    return truth, out
+
+
+def _findings(md):
+    return md.split("## Findings\n")[1].split("\n## ")[0]
+
+
+def test_the_report_leads_with_findings_then_the_graph_then_figures_and_ends_with_settings(analysed):
+    _, out = analysed
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    marks = [md.index("## Findings"), md.index("## Interactive graph"), md.index("[report.html](report.html)"),
+             md.index("!["), md.index("## Model and settings")]
+    assert marks == sorted(marks) and md.rindex("\n## ") == marks[-1] - 1  # settings: the last section
+    marks = [page.index("<h2>Findings</h2>"), page.index('id="hg-view"'), page.index("<figure><img"),
+             page.index("<h2>Model and settings</h2>")]
+    assert marks == sorted(marks) and page.rindex("<h2>") == marks[-1]
+    before, settings = md.split("## Model and settings")
+    assert "time subspaces (s)" in settings and "time subspaces (s)" not in before
+
+
+def test_the_findings_name_the_planted_hub_and_each_types_strongest_edge_with_its_effects(analysed):
+    truth, out = analysed
+    findings = _findings((out / "report.md").read_text())
+    pairs = pd.read_parquet(out / "pairs.parquet")
+    top = _top_edges(pairs, ANALYSED_TOP_K)  # the selected graph, recomputed here
+    degree = Counter(top["source"]) + Counter(top["target"])
+    assert degree.most_common(1)[0][0] == truth.hub
+    hub_rows = [line for line in findings.split("### Top hubs")[1].splitlines() if line.startswith("| L")]
+    assert hub_rows[0].startswith(f"| {truth.hub} | {degree[truth.hub]} |")
+    planted = {(s, t, tp) for s, t, tp, _ in truth.edges}
+    for tp, edge in _top_edges(pairs, 1).set_index("kind").iterrows():
+        assert (edge["source"], edge["target"], tp) in planted
+        row = next(line for line in findings.splitlines() if line.startswith(f"| {tp} | 1 | "))
+        assert row.startswith(f"| {tp} | 1 | {edge['source']} → {edge['target']} | {edge['pk']:.4g} | ")
+        for effect in [c for c in ("effect", "effect_loss", "effect_attr") if c in pairs.columns]:
+            lo, hi = edge[f"{effect}_lo"], edge[f"{effect}_hi"]
+            assert f" {edge[effect]:.3g} [{lo:.3g}, {hi:.3g}] |" in row, (effect, row)
+
+
+def _with_causal(run, **causal):
+    """The run with `causal` as its run.json causal record."""
+    return dataclasses.replace(run, record=dataclasses.replace(run.record, causal=causal))
+
+
+def test_the_findings_warn_on_poor_attribution_agreement_and_on_nothing_else_when_every_stage_ran(analysed):
+    _, out = analysed
+    findings = _findings((out / "report.md").read_text())
+    agreement = json.loads((out / "run.json").read_text())["causal"]["agreement"]
+    poor = [tp for tp in ("OQ", "OK", "OV") if tp in agreement and agreement[tp]["spearman"] < 0.8]
+    lines = [line for line in findings.splitlines() if line.startswith("- ")]
+    warned = re.findall(r"(O[QKV]) ρ (-?\d+\.\d\d) \((\d+) edges\)", "\n".join(lines))
+    assert len(lines) == (1 if poor else 0) and all(line.startswith("- Attribution agrees poorly") for line in lines)
+    assert warned == [(tp, f"{agreement[tp]['spearman']:.2f}", str(agreement[tp]["edges"])) for tp in poor]
+    run = load_run(out)  # roles tested, causal effects computed, no processing warnings: with agreement, no warning
+    causal = {key: value for key, value in run.record.causal.items() if key != "agreement"}
+    agreeing = _with_causal(run, **causal, agreement={tp: {**entry, "spearman": 0.9} for tp, entry in agreement.items()})
+    blocks = report_blocks(agreeing, select_graph(run.pairs, run.heads, SelectionPolicy(top_k=ANALYSED_TOP_K)),
+                           figs={}, causal_table=causal_evaluation(run.pairs, CAUSAL_THRESHOLD))
+    assert "Warnings" not in _findings(to_markdown(blocks)) and "class='warnings'" not in to_html(blocks, "t")
+
+
+def test_a_skipped_causal_stage_is_warned_in_the_findings(analysed):
+    run = load_run(analysed[1])
+    effects = [c for c in run.pairs.columns if c.startswith("effect")]
+    skipped = dataclasses.replace(_with_causal(run, skipped="no OQ/OK/OV type"),
+                                  pairs=run.pairs.drop(columns=effects))  # as a skipped stage leaves them
+    blocks = report_blocks(skipped, select_graph(skipped.pairs, skipped.heads, SelectionPolicy(top_k=4)), figs={})
+    findings = _findings(to_markdown(blocks))
+    assert "**Warnings**\n\n- Causal effects were skipped: no OQ/OK/OV type." in findings
+    assert "| effect" not in findings and "This run has no causal effects." in findings
+    assert "<div class='warnings'><strong>Warnings</strong><ul><li>Causal effects were skipped" in to_html(blocks, "t")
+
+
+def test_poor_attribution_agreement_is_warned_on_the_types_below_08(analysed):
+    run = load_run(analysed[1])
+    causal = {key: value for key, value in run.record.causal.items() if key != "agreement"}
+    agreement = {"OQ": {"spearman": 0.93, "edges": 5}, "OK": {"spearman": 0.41, "edges": 5},
+                 "OV": {"spearman": None, "edges": 2}}
+    warnings = findings_warnings(_with_causal(run, **causal, agreement=agreement))
+    assert len(warnings) == 1 and warnings[0].startswith("Attribution agrees poorly with exact patching on OK ρ 0.41 "
+                                                         "(5 edges): ")
+
+
+def test_a_run_without_causal_effects_says_so_and_its_hubs_carry_their_roles(rendered):
+    findings = _findings(rendered["md"])
+    assert "- Causal effects were not computed" in findings
+    heads = rendered["heads"].set_index("head")
+    hub_rows = [line.split(" | ") for line in findings.split("### Top hubs")[1].splitlines() if line.startswith("| L")]
+    assert hub_rows[0][0] == "| L0H2"  # the planted hub
+    for row in hub_rows:
+        head = row[0].removeprefix("| ")
+        sig = {role for role in ("identity", "previous_token") if heads.loc[head, f"{role}_sig"]}
+        assert set(row[-1].removesuffix(" |").split(", ")) - {"—"} == sig

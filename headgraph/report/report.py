@@ -1,5 +1,9 @@
 """The report of one analysis run: figures plus `report.md` and a self-contained `report.html`.
 
+The report leads with its findings (warnings that qualify them, the top hubs with their roles, the strongest
+edges per type with their effects), then the interactive graph, then the sections with the figures; the model and
+settings table closes it.
+
 The table builders take a run folder read by headgraph.runs.load_run (or DataFrames) and return DataFrames;
 `render_report` writes everything into the run folder.
 """
@@ -20,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from headgraph.analysis.artifacts import role_names, roles_of
+from headgraph.analysis.causal.stage import AGREEMENT_RHO
 from headgraph.analysis.classes import default_classes
 from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
                                            evaluate_pairs)
@@ -28,10 +33,21 @@ from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
 from headgraph.report.interactive import MAX_EDGES, interactive_graph
+from headgraph.report.summary import hub_rows
 from headgraph.analysis.stability import role_flips, summary_rows
 from headgraph.runs import Run, load_run, read_stability
 
 DEFAULT_EVAL_K = 20
+FINDINGS_PER_TYPE = 3
+"""Strongest edges per type in the report's findings."""
+EFFECT_COLUMNS = ("effect", "effect_loss", "effect_attr")
+_EFFECT_TEXT = {
+    "effect": "`effect` is the local effect of the source's output on the target's query, key or value input "
+              "alone: attention moved (total variation, 0…1) for Q/K, relative change of the output for V",
+    "effect_loss": "`effect_loss` runs the rest of the model on it (decoder: nats of next-token loss, positive = "
+                   "the path helps; encoder: relative change of the final hidden states)",
+    "effect_attr": "`effect_attr` is its first-order (gradient) estimate of that loss change, in the same nats",
+}
 
 
 def type_summary(run, fraction=0.03, q_level=0.05):
@@ -90,14 +106,68 @@ def _edge_summary(by_kind):
     return "; ".join(parts) or "—"
 
 
-def strongest_edges(edges, per_type=10):
-    """Table of the strongest selected edges per type."""
+def _strongest(edges, per_type):
+    """The `per_type` strongest edges of each kind by PK, kinds in the project's type order, with `edge`."""
     table = edges.assign(order=edges["kind"].map(TYPE_PAIRS.index))
     table = table.sort_values(["order", "pk"], ascending=[True, False], kind="stable")
     table = table.groupby("kind", sort=False).head(per_type)
-    table["edge"] = table["source"] + " → " + table["target"]
+    return table.assign(edge=table["source"] + " → " + table["target"])
+
+
+def strongest_edges(edges, per_type=10):
+    """Table of the strongest selected edges per type."""
     columns = ["kind", "rank", "edge", "pk", "pk_norm", "z_iso", "log10_p_iso", "q_model", "cs"]
-    return table[columns].set_index(["kind", "rank"])
+    return _strongest(edges, per_type)[columns].set_index(["kind", "rank"])
+
+
+def effect_columns(edges):
+    """The causal effect columns (EFFECT_COLUMNS) that `edges` has with at least one value."""
+    return [c for c in EFFECT_COLUMNS if c in edges.columns and edges[c].notna().any()]
+
+
+def findings_edges(edges, per_type=FINDINGS_PER_TYPE):
+    """The strongest selected edges per type by PK with q_model, CS and the causal effects the run has
+    (`effect_columns`), each effect as "value [lo, hi]" (3 significant digits) when its 95 % interval columns
+    are there."""
+    table = _strongest(edges, per_type)
+    out = table[["kind", "rank", "edge", "pk", "q_model", "cs"]]
+    for column in effect_columns(table):
+        bounds = [f"{column}_lo", f"{column}_hi"]
+        if set(bounds) <= set(table.columns):
+            cells = [_short(v) if pd.isna(v) else f"{_short(v)} [{_short(lo)}, {_short(hi)}]"
+                     for v, lo, hi in zip(table[column], table[bounds[0]], table[bounds[1]])]
+        else:
+            cells = [_short(v) for v in table[column]]
+        out = out.assign(**{column: cells})
+    return out.set_index(["kind", "rank"])
+
+
+def findings_warnings(run):
+    """What qualifies the findings, as sentences: a causal stage not run or skipped, no role tests or roles the
+    tokenizer could not test, the weight processing's warnings, and (one sentence) the types on which attribution
+    ranks the exactly patched edges unlike their loss effects (run.json `causal.agreement`: Spearman rho below
+    AGREEMENT_RHO, the causal stage's own bar)."""
+    causal = run.record.causal
+    warnings = []
+    if causal is None:
+        warnings.append("Causal effects were not computed (the run was made without its causal stage, e.g. "
+                        "`--no-causal`): every edge rests on the weights alone.")
+    elif "skipped" in causal:
+        warnings.append(f"Causal effects were skipped: {causal['skipped']}. Every edge rests on the weights alone.")
+    if not role_names(run.heads):
+        warnings.append("No head roles were tested (`--no-roles`): a hub without roles here is untested, "
+                        "not role-less.")
+    skipped_roles = (run.record.roles or {}).get("skipped_roles", {})
+    warnings += [f"Role `{role}` was not tested: {why}." for role, why in skipped_roles.items()]
+    warnings += [f"Weight processing: {warning}" for warning in run.record.processing_warnings]
+    agreement = (causal or {}).get("agreement", {})
+    poor = [f"{tp} ρ {agreement[tp]['spearman']:.2f} ({agreement[tp]['edges']} edges)" for tp in TYPE_PAIRS
+            if agreement.get(tp, {}).get("spearman") is not None and agreement[tp]["spearman"] < AGREEMENT_RHO]
+    if poor:
+        warnings.append(f"Attribution agrees poorly with exact patching on {', '.join(poor)}: the Spearman ρ between "
+                        f"`effect_attr` and `effect_loss` over the edges patched exactly is below {AGREEMENT_RHO}; "
+                        "trust `effect_loss` there.")
+    return warnings
 
 
 # ---------------------------------------------------------------- rendering (markdown and html)
@@ -114,6 +184,10 @@ def _fmt(value):
             return "−inf" if value < 0 else "inf"
         return f"{value:.4g}"
     return str(value)
+
+
+def _short(value):
+    return _fmt(value) if pd.isna(value) else f"{value:.3g}"
 
 
 def _rows(table):
@@ -148,7 +222,9 @@ def _html_inline(text):
 
 def to_markdown(blocks):
     """Markdown for report blocks: ("h", level, text), ("p", text), ("table", DataFrame), ("fig", caption, paths),
-    ("interactive", HTML fragment: only report.html shows it; the markdown says where it is)."""
+    ("nowrap table", DataFrame: a table whose cells report.html keeps on one line, scrolling it when too wide),
+    ("warnings", [sentence, ...]), ("interactive", HTML fragment: only report.html shows it; the markdown links
+    to the page)."""
     out = []
     for block in blocks:
         kind = block[0]
@@ -156,20 +232,24 @@ def to_markdown(blocks):
             out.append("#" * block[1] + " " + block[2])
         elif kind == "p":
             out.append(block[1])
-        elif kind == "table":
+        elif kind in ("table", "nowrap table"):
             out.append(_md_table(block[1]))
         elif kind == "fig":
             out.append(f"![{block[1]}]({block[2]['png'].name})\n\n*{block[1]}* (vector: `{block[2]['svg'].name}`)")
+        elif kind == "warnings":
+            out.append("**Warnings**\n\n" + "\n".join(f"- {line}" for line in block[1]))
         elif kind == "interactive":
-            out.append("The interactive graph (hover an edge, click a head, filter by type and PK) is in `report.html`; "
-                       "`headgraph view <run folder>` opens it.")
+            out.append("The interactive graph (hover an edge, click a head, filter by type and PK) is in "
+                       "[report.html](report.html); `headgraph view <run folder>` opens it.")
     return "\n\n".join(out) + "\n"
 
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:3px 8px;
 text-align:left}th{background:#f2f2f2}img{max-width:100%}figure{margin:1.5em 0}figcaption{font-style:italic}
-code{background:#f4f4f4;padding:0 3px}"""
+code{background:#f4f4f4;padding:0 3px}
+.warnings{background:#fff4e0;border-left:4px solid #e69500;padding:.6em 1em;margin:1em 0}
+.warnings ul{margin:.3em 0;padding-left:1.4em}.nowrap{overflow-x:auto}.nowrap table{font-size:.8em}.nowrap td{white-space:nowrap}"""
 
 
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
@@ -190,11 +270,16 @@ def to_html(blocks, title):
             out.append(f"<p>{_html_inline(block[1])}</p>")
         elif kind == "table":
             out.append(_html_table(block[1]))
+        elif kind == "nowrap table":
+            out.append(f"<div class='nowrap'>{_html_table(block[1])}</div>")
         elif kind == "fig":
             data = base64.b64encode(block[2]["png"].read_bytes()).decode("ascii")
             caption = html.escape(block[1])
             out.append(f"<figure><img alt='{caption}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{caption}</figcaption></figure>")
+        elif kind == "warnings":
+            items = "".join(f"<li>{_html_inline(line)}</li>" for line in block[1])
+            out.append(f"<div class='warnings'><strong>Warnings</strong><ul>{items}</ul></div>")
         elif kind == "interactive":
             out.append(block[1])
     out.append("</body></html>")
@@ -403,7 +488,7 @@ def _interactive_blocks(run, selected, classes):
     dims = run.record.dims
     fragment = interactive_graph(head_network(selected), dims.n_layers, dims.n_heads, dims.n_kv_heads,
                                  dict(classes.classes) if classes is not None else None)
-    return [("h", 3, "Interactive graph"), ("interactive", fragment)]
+    return [("h", 2, "Interactive graph"), ("interactive", fragment)]
 
 
 def _stability_blocks(run):
@@ -435,17 +520,15 @@ def _causal_blocks(run, figs, table):
         return blocks + [("p", f"Causal effects were not computed: {causal['skipped']}.")]
     inputs = ", ".join(f"{n} {name}" for name, n in causal["inputs"].items())
     blocks.append(("p", f"Direct-path patching ({causal['ablation']} ablation) on {inputs} inputs ({causal['source']}). "
-                        "`effect` is the local effect of the source's output on the target's query, key or value "
-                        "input alone: attention moved (total variation, 0…1) for Q/K, relative change of the "
-                        "output for V; `effect_loss` runs the rest of the model on it (decoder: nats of next-token "
-                        "loss, positive = the path helps; encoder: relative change of the final hidden states). "
+                        + "; ".join(_EFFECT_TEXT[c] for c in effect_columns(run.pairs)) + ". "
                         "Intervals: 95 % bootstrap over inputs. An effect is evidence on these inputs, not a "
                         "circuit."))
     with_effect = run.pairs[run.pairs["effect"].notna()]
     strongest = with_effect.assign(kind=with_effect["source_type"] + with_effect["target_type"]).sort_values(
         "effect", ascending=False).groupby("kind", sort=True).head(5)
     columns = ["kind", "source", "target", "effect", "effect_lo", "effect_hi", "pk", "cs"]
-    columns += [c for c in ("effect_loss", "effect_loss_lo", "effect_loss_hi") if c in strongest.columns]
+    columns += [f"{c}{end}" for c in ("effect_loss", "effect_attr") for end in ("", "_lo", "_hi")
+                if f"{c}{end}" in strongest.columns]
     blocks += [("p", "Largest local effects per type:"),
                ("table", strongest.sort_values(["kind", "effect"], ascending=[True, False])[columns]
                 .reset_index(drop=True))]
@@ -459,34 +542,55 @@ def _causal_blocks(run, figs, table):
     return blocks
 
 
-def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None, selected=None, causal_table=None):
-    """The report as blocks (see `to_markdown`); selected: the SelectedGraph of `edges`, drawn interactively in
-    report.html when given; causal_table: causal_evaluation of the run's pairs when it has effects."""
+def _findings_blocks(run, selected):
+    """"Findings": the warnings that qualify them, the top hubs with their roles (the summary's `hub_rows`) and the
+    strongest edges per type with their effects (`findings_edges`)."""
+    edges, warnings = selected.edges, findings_warnings(run)
+    blocks = [("h", 2, "Findings"), *([("warnings", warnings)] if warnings else [])]
+    if run.pairs.empty:
+        return blocks + [("p", _no_pairs_text(run))]
+    blocks.append(("p", f"Selected graph: {selected.policy.describe()} ({len(edges)} edges). Each finding is "
+                        "summarised here; the sections below give the detail."))
+    if not len(edges):
+        return blocks + [("p", "The selected graph has no edges, so no head is a hub.")]
+    hubs = pd.DataFrame([{"head": h["head"], "degree": h["degree"], "PageRank": h["pagerank"],
+                          "significant roles": ", ".join(h["roles"]) or "—"} for h in hub_rows(selected.hubs, run.heads)])
+    effects = effect_columns(edges)
+    measured = ("; ".join(_EFFECT_TEXT[c] for c in effects) + ". In brackets: the 95 % bootstrap interval over inputs. "
+                "An effect is evidence on the run's inputs, not a circuit." if effects
+                else "This run has no causal effects.")
+    return blocks + [
+        ("h", 3, "Top hubs"),
+        ("p", "The heads with the most selected edges (degree), their PageRank in the selected graph and their "
+              "significant roles. Many strong weight alignments make a hub, not a shown effect on the output."),
+        ("table", hubs.set_index("head")),
+        ("h", 3, "Strongest edges and their effects"),
+        ("p", f"The {FINDINGS_PER_TYPE} strongest selected edges per type by PK, with their calibrated `q_model` "
+              f"and Composition Score `cs`. {measured}"),
+        ("nowrap table", findings_edges(edges)),
+    ]
+
+
+def report_blocks(run, selected, figs, evaluation=None, classes=None, causal_table=None):
+    """The report as blocks (see `to_markdown`), findings first: the findings, the interactive graph of
+    `selected` (a SelectedGraph, in report.html), the sections with the figures `figs`, the settings last;
+    causal_table: causal_evaluation of the run's pairs when it has effects."""
+    edges = selected.edges
+    hubs = hub_table(selected.hubs, run.heads)
     summary = type_summary(run)
     blocks = [("h", 1, f"headgraph report — {run.model}"),
               ("p", f"Run folder `{run.path}`. Every z / p refers to the isotropic random-subspace (Haar) "
-                    "reference; every q refers to the run's calibrated null named below."),
-              ("h", 2, "Model and settings"), ("table", _settings_table(run)),
-              *([("p", _no_pairs_text(run))] if run.pairs.empty else []),
-              ("h", 2, "Informativeness per weight-type pair"),
-              ("p", _informativeness_text(summary)),
-              ("table", summary.rename(columns={"q_below": "edges q<0.05", "top_cutoff": "top-3% cut-off"})),
-              ("p", "KL(random ‖ observed) in nats, rows = source type, columns = target type (— = not computed):"),
-              ("table", _kl_table(run.record.kl_by_type))]
-    for name, caption in (("fig_pk_distributions", "PK distribution per type pair against the random reference"),
-                          ("fig_kl_heatmap", "KL(random ‖ observed) per type pair")):
-        if name in figs:
-            blocks.append(("fig", caption, figs[name]))
-    blocks += [("h", 2, "Strongest edges"),
-               ("p", f"Selected graph: {policy.describe()} ({len(edges)} edges). `rank` is the PK rank among "
-                     "all computed pairs of the type. Strongest per type:"),
-               ("table", strongest_edges(edges))]
+                    "reference; every q refers to the run's calibrated null named in the settings at the end."),
+              *_findings_blocks(run, selected),
+              *_interactive_blocks(run, selected, classes),
+              ("h", 2, "Strongest edges"),
+              ("p", f"Selected graph: {selected.policy.describe()} ({len(edges)} edges). `rank` is the PK rank "
+                    "among all computed pairs of the type. Strongest per type:"),
+              ("table", strongest_edges(edges))]
     for name, caption in (("fig_topk_graph", "Selected edges by layer and head, opacity = PK / max PK of type"),
                           ("fig_pk_vs_cs", "PK vs Composition Score with top-3 % cut-offs")):
         if name in figs:
             blocks.append(("fig", caption, figs[name]))
-        if name == "fig_topk_graph" and selected is not None:
-            blocks += _interactive_blocks(run, selected, classes)
     blocks += [("h", 2, "Hubs"), *([("p", _hub_text(hubs)), ("table", hubs)] if len(edges)
                                     else [("p", "The selected graph has no edges, so no head is a hub.")])]
     if "fig_hubs" in figs:
@@ -500,6 +604,15 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None,
     if "fig_roles" in figs:
         blocks.append(("fig", "Role scores by layer and head", figs["fig_roles"]))
     blocks += _causal_blocks(run, figs, causal_table)
+    blocks += [("h", 2, "Informativeness per weight-type pair"),
+               ("p", _informativeness_text(summary)),
+               ("table", summary.rename(columns={"q_below": "edges q<0.05", "top_cutoff": "top-3% cut-off"})),
+               ("p", "KL(random ‖ observed) in nats, rows = source type, columns = target type (— = not computed):"),
+               ("table", _kl_table(run.record.kl_by_type))]
+    for name, caption in (("fig_pk_distributions", "PK distribution per type pair against the random reference"),
+                          ("fig_kl_heatmap", "KL(random ‖ observed) per type pair")):
+        if name in figs:
+            blocks.append(("fig", caption, figs[name]))
     blocks += _stability_blocks(run)
     if evaluation is not None:
         blocks += [("h", 2, "Known head classes"),
@@ -507,7 +620,7 @@ def report_blocks(run, policy, edges, hubs, figs, evaluation=None, classes=None,
                          "distinct heads of the top-k union graph per metric; the AUCs measure how well the metric "
                          "separates pairs whose heads are both in a known class from the rest."),
                    ("table", evaluation)]
-    return blocks
+    return blocks + [("h", 2, "Model and settings"), ("table", _settings_table(run))]
 
 
 def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None,
@@ -523,14 +636,12 @@ def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=No
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
-    edges = selected.edges
-    hubs = hub_table(selected.hubs, run.heads)
     with drawing_figures(selection_figures(run, selected, classes), out_dir, advance=advance) as figures_drawn:
         # the evaluations while the figures are drawn
         evaluation = class_evaluation(run, classes, policy.top_k or DEFAULT_EVAL_K) if classes is not None else None
         causal_table = causal_evaluation(run.pairs, CAUSAL_THRESHOLD) if run.record.has_effects else None
         figs = figures_drawn()
-    blocks = report_blocks(run, policy, edges, hubs, figs, evaluation, classes, selected, causal_table)
+    blocks = report_blocks(run, selected, figs, evaluation, classes, causal_table)
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
     paths["report.md"].write_text(to_markdown(blocks))
     paths["report.html"].write_text(to_html(blocks, f"headgraph report — {run.model}"))

@@ -38,11 +38,23 @@ def print_roles(model: str, heads, meta: dict, console: Console, identity_map: b
         console.print(id_table)
 
 
-def summary_data(outcome, top_hubs: int = 5) -> dict:
+TOP_HUBS = 5
+"""Hubs the summary and the report's findings list."""
+
+
+def hub_rows(hubs: dict, heads, top: int = TOP_HUBS) -> list[dict]:
+    """The first `top` hubs of a hub report (headgraph.analysis.centrality.hub_report: by degree in the selected
+    graph) with their significant roles, as plain data: head, degree, pagerank, roles. A hub is a head with many
+    selected edges, not one shown to matter to the model's output."""
+    roles = roles_of(heads)
+    return [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"], "roles": roles.get(h["head"], [])}
+            for h in hubs["hubs"][:top]]
+
+
+def summary_data(outcome, top_hubs: int = TOP_HUBS) -> dict:
     """Everything the summary shows of a finished analyze (a headgraph.workflow.AnalyzeOutcome), as plain
     JSON-able data."""
     run, heads = outcome.result.run, outcome.result.heads
-    roles = roles_of(heads)
     per_type = outcome.selected.edges.groupby("kind").size().to_dict() if len(outcome.selected.edges) else {}
     return {
         "run_id": run.id,
@@ -57,8 +69,7 @@ def summary_data(outcome, top_hubs: int = 5) -> dict:
         "edges": {tp: int(per_type.get(tp, 0)) for tp in run.types},
         "mean_pk": run.mean_pk,
         "kl": {tp: kl for tp, kl in run.kl_by_type.items() if tp in run.types},
-        "hubs": [{"head": h["head"], "degree": h["degree"], "pagerank": h["pagerank"],
-                  "roles": roles.get(h["head"], [])} for h in outcome.selected.hubs["hubs"][:top_hubs]],
+        "hubs": hub_rows(outcome.selected.hubs, heads, top_hubs),
         "causal": _strongest_effects(outcome.result.pairs, run.causal),
         "folder": str(outcome.folder),
         "store": outcome.store,
