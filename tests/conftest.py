@@ -162,3 +162,57 @@ def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {name: save_family(name, root / name) for name in FAMILIES}
 # ---- end family fixtures ----
+
+# ---- shared analyses (helper "suite"): one full analyze of the planted model and one of induction-2l per session ----
+# Every test that only reads an analysis's results reads these; a test that needs other settings, or that watches
+# an analysis run, keeps its own. Settings: tests/_fast.py.
+import json as _shared_json
+from dataclasses import dataclass as _shared_dataclass
+from pathlib import Path as _SharedPath
+
+import pytest as _shared_pytest
+
+from headgraph.testing.planted import PlantedTruth as _PlantedTruth
+
+SHARED_TOP_K = 5  # the selection of both shared analyses: the top 5 per type by PK
+
+
+@_shared_dataclass(frozen=True)
+class PlantedAnalysis:
+    """`headgraph analyze --json` of the planted model (fixture `planted`) in its own process, every stage (PK,
+    roles, causal effects, report) and stored in its own LadybugDB: the planted truth, the run folder, the
+    store and the printed summary."""
+
+    truth: _PlantedTruth
+    folder: _SharedPath
+    db: _SharedPath
+    summary: dict
+    top_k: int = SHARED_TOP_K
+
+
+@_shared_pytest.fixture(scope="session")
+def planted_analysis(planted, tmp_path_factory):
+    """The session's one full analysis of the planted model (PlantedAnalysis)."""
+    from _commands import headgraph
+    from _fast import FLAGS
+
+    model, truth = planted
+    work = tmp_path_factory.mktemp("planted-analysis")
+    db, out = work / "graph.lbdb", work / "run"
+    done = headgraph("analyze", str(model), "--db", str(db), "--out", str(out), "--json", "--top-k",
+                     str(SHARED_TOP_K), *FLAGS)
+    assert done.returncode == 0, done.stderr
+    return PlantedAnalysis(truth, out, db, _shared_json.loads(done.stdout))
+
+
+@_shared_pytest.fixture(scope="session")
+def induction_run(tmp_path_factory):
+    """The session's one full analysis of the shipped induction-2l through the Python API (a headgraph.Run):
+    every stage and its report, on the CPU, nothing stored."""
+    from _fast import FAST
+
+    import headgraph
+
+    return headgraph.analyze("induction-2l", out=tmp_path_factory.mktemp("induction-analysis") / "run",
+                             top_k=SHARED_TOP_K, report=True, device="cpu", progress=False, **FAST)
+# ---- end shared analyses ----

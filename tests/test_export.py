@@ -17,7 +17,6 @@ from _cli import run_cli
 
 from headgraph.analysis.centrality import hub_report
 from headgraph.analysis.network import head_network
-from headgraph.analysis.options import PKOptions, RoleOptions
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.export import neo4j_import_arguments
 from headgraph.neo4j_local.server import (
@@ -31,15 +30,12 @@ from headgraph.neo4j_local.server import (
     stop,
 )
 from headgraph.runs import load_run
-from headgraph.workflow import AnalyzeOptions, run_analyze
 
 
-@pytest.fixture(scope="module")
-def run_dir(planted, tmp_path_factory):
-    options = AnalyzeOptions(out_dir=str(tmp_path_factory.mktemp("export") / "run"),
-                             pk=PKOptions(reference_samples=2000, null_heads=20), roles=RoleOptions(n_inputs=8),
-                             store=None, report=False)
-    return run_analyze(str(planted[0]), options, progress=False).folder
+@pytest.fixture
+def run_dir(planted_analysis):
+    """The run folder of the session's analysis of the planted model (conftest)."""
+    return planted_analysis.folder
 
 
 DEFAULT_POLICY = SelectionPolicy()  # what `export` selects without --top-k / --max-q / --min-z

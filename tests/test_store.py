@@ -20,10 +20,9 @@ from headgraph.analysis.selection import SelectionPolicy
 from headgraph.cli import cli
 from headgraph.errors import ReadOnlyViolation, StoreUnavailable, UsageError
 from headgraph.loader.ladybug_store import LadybugStore
-from headgraph.loader.models import load_model
 from headgraph.loader.open_store import open_store
-from headgraph.pipeline import compute_pk
 from headgraph.queries.runner import run_named
+from headgraph.runs import load_run
 
 EDGES_OF_RUN = "MATCH (a:Head)-[r]->(b:Head) WHERE a.run_id = $run RETURN r.kind, a.name, b.name, r.pk, r.rank"
 
@@ -90,17 +89,12 @@ def test_round_trip_stores_the_top_k_edges_of_each_type(store, tables):
     assert (row["status"], row["heads"], row["edges"], row["policy"]) == ("complete", 24, 21, "top 7 per type by PK")
 
 
-@pytest.fixture(scope="module")
-def planted_analysis(planted):
-    folder, truth = planted
-    return compute_pk(load_model(str(folder)), reference_samples=2000, null_heads=20, progress=False), truth
-
-
 def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
-    result, truth = planted_analysis
+    result, truth = load_run(planted_analysis.folder), planted_analysis.truth  # the session's analysis (conftest)
     run_id = new_run_id()
     # 3 layers x 4 heads: 48 pairs per type; the top 5 per type holds every planted edge
-    graph = run_graph(result.pairs, result.heads, dataclasses.replace(result.run, id=run_id), SelectionPolicy(top_k=5))
+    graph = run_graph(result.pairs, result.heads, dataclasses.replace(result.record, id=run_id),
+                      SelectionPolicy(top_k=5))
     load(store, graph)
     assert [r["head"] for r in run_named(store, "hubs", {"run": run_id, "limit": "1"}).records()][:1] == [truth.hub]
     report = hub_report(graph.heads, graph.edges)
@@ -108,7 +102,7 @@ def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     top = {(r["source"], r["target"], r["kind"]) for r in run_named(store, "top-edges", {"run": run_id, "limit": "2"}).records()}
     assert {(s, t, kind) for s, t, kind, _ in truth.edges} <= top
     (run,) = [r for r in store.runs() if r["id"] == run_id]
-    assert (run["model"], run["processing"], run["types"]) == (result.run.model.name, "tl", ["OQ", "OK", "OV"])
+    assert (run["model"], run["processing"], run["types"]) == (result.record.model.name, "tl", ["OQ", "OK", "OV"])
 
 
 @pytest.mark.neo4j

@@ -12,24 +12,20 @@ import numpy as np
 import pandas as pd
 import pytest
 from _commands import headgraph
+from _fast import FAST, FLAGS
 
-FAST = ["--top-k", "5", "--n-inputs", "20", "--causal-n", "8", "--reference-samples", "2000"]
 
-
-@pytest.fixture(scope="module")
-def analyzed(planted, tmp_path_factory):
-    path, truth = planted
-    work = tmp_path_factory.mktemp("workflow")
-    db, out = work / "graph.lbdb", work / "run"
-    done = headgraph("analyze", str(path), "--db", str(db), "--out", str(out), "--json", *FAST)
-    assert done.returncode == 0, done.stderr
-    return truth, db, out, json.loads(done.stdout)
+@pytest.fixture
+def analyzed(planted_analysis):
+    """The session's `headgraph analyze --json` of the planted model into a LadybugDB store (conftest):
+    (truth, store, run folder, summary)."""
+    return planted_analysis.truth, planted_analysis.db, planted_analysis.folder, planted_analysis.summary
 
 
 def test_summary_puts_the_planted_hub_first(analyzed):
     truth, _, out, summary = analyzed
     assert summary["hubs"][0]["head"] == truth.hub
-    assert summary["edges"] == {"OQ": 5, "OK": 5, "OV": 5}
+    assert summary["edges"] == {"OQ": 5, "OK": 5, "OV": 5}  # the shared analysis selects the top 5 per type
     assert summary["folder"] == str(out)
 
 
@@ -167,7 +163,7 @@ def test_report_and_figures_are_written(analyzed):
 
 def test_unreachable_neo4j_fails_before_any_work(planted, tmp_path):
     path, _ = planted
-    done = headgraph("analyze", str(path), "--neo4j", "bolt://127.0.0.1:1", "--out", str(tmp_path / "run"), *FAST)
+    done = headgraph("analyze", str(path), "--neo4j", "bolt://127.0.0.1:1", "--out", str(tmp_path / "run"), *FLAGS)
     assert done.returncode == 3
     assert done.stderr.strip().count("\n") == 0 and "cannot reach Neo4j at bolt://127.0.0.1:1" in done.stderr
     assert not (tmp_path / "run").exists()
@@ -175,7 +171,7 @@ def test_unreachable_neo4j_fails_before_any_work(planted, tmp_path):
 
 def test_wrong_neo4j_password_fails_with_one_line(planted, neo4j_config, tmp_path):
     path, _ = planted
-    done = headgraph("analyze", str(path), "--neo4j", neo4j_config["uri"], "--out", str(tmp_path / "run"), *FAST,
+    done = headgraph("analyze", str(path), "--neo4j", neo4j_config["uri"], "--out", str(tmp_path / "run"), *FLAGS,
                      env={"NEO4J_USER": neo4j_config["user"], "NEO4J_PASSWORD": "not-the-password"})
     assert done.returncode == 3
     assert done.stderr.strip().count("\n") == 0 and "refused user" in done.stderr
@@ -217,10 +213,8 @@ def test_selection_centrality_and_device_resolution_happen_once_per_analyze(plan
     import headgraph.analysis.selection
     import headgraph.loader.graph
     import headgraph.report.report  # noqa: F401 - loaded so that its bindings are counted too
-    from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
-    from headgraph.analysis.selection import SelectionPolicy
-    from headgraph.loader.open_store import StoreSpec
-    from headgraph.workflow import AnalyzeOptions, run_analyze
+    from headgraph.settings import analyze_options
+    from headgraph.workflow import run_analyze
 
     calls = {"select_edges": 0, "head_centrality": 0}
     for name, module in (("select_edges", headgraph.analysis.selection), ("head_centrality", headgraph.analysis.centrality)):
@@ -239,9 +233,7 @@ def test_selection_centrality_and_device_resolution_happen_once_per_analyze(plan
     resolve_device = headgraph.pipeline.resolve_device
     monkeypatch.setattr(headgraph.pipeline, "resolve_device",
                         lambda device: devices.append(device) or resolve_device(device))
-    options = AnalyzeOptions(out_dir=str(tmp_path / "run"), pk=PKOptions(reference_samples=2000, null_heads=20),
-                             roles=RoleOptions(n_inputs=8), causal=CausalOptions(n_inputs=4, n_boot=50),
-                             policy=SelectionPolicy(top_k=5), store=StoreSpec(db=str(tmp_path / "g.lbdb")))
+    options = analyze_options(out=tmp_path / "run", top_k=5, store=tmp_path / "g.lbdb", report=True, **FAST)
     outcome = run_analyze(str(planted[0]), options, progress=False)
     assert calls == {"select_edges": 1, "head_centrality": 1}  # the loss effects extend that one selection
     assert devices == [None]  # the device is resolved once, from what was asked
