@@ -7,9 +7,9 @@ the run its config, dimensions and TransformerLens-configured tokenizer for the 
 their stored dtype, cast to float32 as `from_pretrained(dtype=float32)` casts them), puts them into that layer
 of the skeleton and reads W_Q, W_K, W_V, W_O through the bridge's own properties: the tensor names, fused-QKV
 splits and grouped-query layouts are the bridge's, not a table of ours. "tl" runs TransformerLens' own
-`ProcessWeights.process_weights` over the bridge's state dict with that one layer real and every other tensor
-on the meta device (so no other layer's arithmetic is done); folding a layer's norm into its attention and
-centring its W_O only read that layer, so the result equals the loaded path's `enable_compatibility_mode()`
+`ProcessWeights.process_weights` over the bridge's state dict with that layer's attention and ln1 real and every
+other tensor on the meta device (so no other arithmetic is done; the MLPs are never read); folding a layer's
+norm into its attention and centring its W_O only read those, so the result equals the loaded path's `enable_compatibility_mode()`
 (tests/test_stream.py: exact equality on GPT-2 (LayerNorm, fused QKV) and Llama (RMSNorm, grouped-query)).
 Adapters with their own pre- or post-processing hooks (e.g. Phi-3, Cohere) do not stream "tl": the whole model
 loads as before (`streamable` says why).
@@ -162,7 +162,7 @@ class StreamedModel:
         for layer in range(self.cfg["n_layers"]):
             prefix = f"{blocks.name}.{layer}."
             wanted = [n for n in self.holders if n.startswith(prefix)
-                      and (self.processing == "tl" or mlp is None or not n.startswith(f"{prefix}{mlp}."))]
+                      and (mlp is None or not n.startswith(f"{prefix}{mlp}."))]
             tensors = self.shards.read([self._stored_name(n) for n in wanted])
             for name in wanted:
                 module, attr = self.holders[name]
@@ -203,7 +203,7 @@ class StreamedModel:
         from transformer_lens.weight_processing import ProcessWeights
 
         own = f"blocks.{layer}."
-        state = {k: v if k.startswith(own) or v.device.type == "meta" else torch.empty(v.shape, device="meta")
+        state = {k: v if k.startswith((f"{own}attn.", f"{own}ln1.")) else torch.empty(v.shape, device="meta")
                  for k, v in self.skeleton.state_dict().items()}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -211,8 +211,13 @@ class StreamedModel:
         notes = {str(w.message).splitlines()[0] for w in caught if "fold" in str(w.message) or "center" in str(w.message)}
         self.cfg["processing_warnings"] = sorted(set(self.cfg["processing_warnings"]) | notes)  # as load_model's
         for short in ("q", "k", "v", "o"):
+            processed = state[f"{own}attn.{short}.weight"]
+            if processed.device.type == "meta":
+                raise BadWeights(f"TransformerLens' processing of {type(self.skeleton.adapter).__name__} reads more "
+                                 f"of layer {layer} than its attention and ln1 to process attn.{short}: analyze "
+                                 "with --processing raw")
             linear = self.skeleton.get_submodule(f"blocks.{layer}.attn.{short}").original_component
-            linear._parameters["weight"] = torch.nn.Parameter(state[f"{own}attn.{short}.weight"], requires_grad=False)
+            linear._parameters["weight"] = torch.nn.Parameter(processed, requires_grad=False)
 
 
 def _checked(weights: dict[str, torch.Tensor], layer: int, cfg: dict) -> dict[str, torch.Tensor]:

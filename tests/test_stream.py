@@ -1,0 +1,173 @@
+"""Weights streamed layer by layer (headgraph.loader.stream): the same weights as the loaded model for raw and
+TransformerLens processing, the same analysis (pairs, PK, roles, effects), a PK stage whose memory does not grow
+with the model, and damaged checkpoints refused in one line with nothing stored."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _cli import run_cli
+from headgraph.loader.models import load_model
+from headgraph.loader.stream import StreamedModel, open_model
+from headgraph.testing.synthetic import save_synthetic, save_synthetic_gqa
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def perturbed(folder: Path, seed: int = 1) -> Path:
+    """The checkpoint with every norm weight and bias moved off 1 / 0, so that folding them changes W_Q ... W_O."""
+    state = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, value in state.items():
+        if "ln" in name or "norm" in name or name.endswith("bias"):
+            state[name] = value + 0.3 * torch.randn(value.shape, generator=g)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny GPT-2 (LayerNorm, fused QKV) and a tiny Llama (RMSNorm, 4 query heads on 2 KV heads), norms random."""
+    root = tmp_path_factory.mktemp("stream")
+    return {"gpt2": perturbed(save_synthetic(root / "gpt2", n_layers=3)),
+            "llama": perturbed(save_synthetic_gqa(root / "llama", n_layers=3))}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("processing", ["raw", "tl"])
+def test_streamed_weights_equal_the_loaded_models(checkpoints, family, processing):
+    streamed = open_model(checkpoints[family], processing=processing, device="cpu")
+    loaded = load_model(checkpoints[family], processing=processing, device="cpu")
+    assert isinstance(streamed, StreamedModel) and streamed.cfg == loaded.cfg
+    layers = list(streamed.head_layers())
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        torch.testing.assert_close(torch.stack([w[name] for w in layers]), getattr(loaded, name), atol=0, rtol=0)
+    raw = load_model(checkpoints[family], processing="raw", device="cpu")
+    assert (processing == "tl") == (not torch.equal(raw.W_Q, loaded.W_Q))  # the processing did fold the norms
+    assert streamed.loaded is None  # nothing loaded the whole model
+
+
+def analyze(source, out: Path, **settings):
+    from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
+    from headgraph.analysis.options import PKOptions
+    from headgraph.workflow import run_analyze
+
+    options = AnalyzeOptions(pk=PKOptions(types="all", null_heads=20, reference_samples=1000, device="cpu"),
+                             roles=RoleOptions(n_inputs=8, design="fixed"), causal=CausalOptions(n_inputs=4, loss_inputs=2,
+                                                                                                  n_boot=50),
+                             store=None, report=False, out_dir=str(out), **settings)
+    return run_analyze(source, options, progress=False)
+
+
+def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
+    """The folder (streamed to the PK, then loaded for roles and effects) against the same model passed in loaded."""
+    folder = checkpoints["llama"]
+    streamed = analyze(folder, tmp_path / "streamed")
+    bridge = load_model(folder, device="cpu").bridge
+    loaded = analyze(bridge, tmp_path / "loaded")
+    assert streamed.result.run.engine["weights"]["read"].startswith("streamed")
+    assert loaded.result.run.engine["weights"]["read"] == "from the loaded model"
+    a, b = streamed.result.pairs, loaded.result.pairs
+    assert list(zip(a.source, a.target, a.source_type + a.target_type)) == list(zip(b.source, b.target,
+                                                                                    b.source_type + b.target_type))
+    np.testing.assert_allclose(a.pk, b.pk, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(a.effect, b.effect, atol=1e-6, rtol=0, equal_nan=True)
+    assert a.effect.notna().sum() > 0
+    heads_a, heads_b = streamed.result.heads, loaded.result.heads
+    scores = [c for c in heads_a.columns if c.endswith("_score")]
+    assert len(scores) == 5 and list(heads_a.columns) == list(heads_b.columns)
+    np.testing.assert_allclose(heads_a[scores], heads_b[scores], atol=1e-6, rtol=0)
+    decisions = [c for c in heads_a.columns if c.endswith("_sig")]
+    assert heads_a[decisions].equals(heads_b[decisions])
+
+
+def _analyze_process(source: Path, out: Path, max_memory: str, in_memory: bool) -> dict:
+    """run.json of `headgraph analyze` (no roles, effects, report, store) in a fresh process: the folder as a user
+    passes it, or the same model loaded first and passed in (`in_memory`: the path before streaming)."""
+    code = ("import sys; from headgraph.cli import apply_process_environment; apply_process_environment()\n"
+            "from headgraph.loader.models import load_model\n"
+            "from headgraph.settings import AnalyzeOptions\nfrom headgraph.analysis.options import PKOptions\n"
+            "from headgraph.workflow import run_analyze\n"
+            "src = sys.argv[1]\n"
+            "model = load_model(src, device='cpu').bridge if sys.argv[3] == '1' else src\n"
+            "run_analyze(model, AnalyzeOptions(pk=PKOptions(max_memory=int(sys.argv[4]), device='cpu', null_heads=20,"
+            " reference_samples=1000), roles=None, causal=None, store=None, report=False, out_dir=sys.argv[2]),"
+            " progress=False)\n")
+    subprocess.run([sys.executable, "-c", code, str(source), str(out), "1" if in_memory else "0", max_memory],
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    return json.loads((out / "run.json").read_text())
+
+
+def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
+    """A Llama whose MLP and vocabulary dwarf its attention (about 190 MB of float32 weights, 3 MB of bases): the
+    streamed PK stage grows the process by less than --max-memory plus one layer's weights; given the loaded
+    model, the same stage holds the whole model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headgraph.loader.models import quiet
+    from headgraph.testing.synthetic import save_tokenizer
+
+    folder = tmp_path / "wide"
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=8192, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+                         bos_token_id=31999, eos_token_id=31999, pad_token_id=31999, tie_word_embeddings=False)
+    with quiet():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model_bytes = sum(p.numel() * 4 for p in model.parameters())
+        layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+        model.save_pretrained(str(folder))
+    save_tokenizer(folder, 32000)
+    budget = 16 * 2**20
+    streamed = _analyze_process(folder, tmp_path / "streamed", str(budget), in_memory=False)
+    loaded = _analyze_process(folder, tmp_path / "loaded", str(budget), in_memory=True)
+    assert streamed["engine"]["weights"]["read"].startswith("streamed")
+    grown = streamed["stages"]["pk_and_significance"]["peak_rss_bytes"] - streamed["stages"]["load"]["peak_rss_bytes"]
+    assert grown < budget + layer_bytes + 48 * 2**20, (grown, budget, layer_bytes)
+    held = loaded["stages"]["pk_and_significance"]["peak_rss_bytes"]
+    assert held - streamed["stages"]["pk_and_significance"]["peak_rss_bytes"] > 0.7 * model_bytes
+    assert loaded["n_pairs"] == streamed["n_pairs"]
+
+
+def _damaged(checkpoints, tmp_path, how: str) -> Path:
+    folder = tmp_path / how
+    shutil.copytree(checkpoints["llama"], folder)
+    weights = folder / "model.safetensors"
+    if how == "truncated":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif how == "index_names_a_missing_shard":  # a sharded checkpoint, its second shard deleted
+        names = load_file(str(weights))
+        first = {n: t for n, t in names.items() if "layers.2." not in n}
+        save_file(first, str(folder / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+        weights.unlink()
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {n: f"model-0000{1 + ('layers.2.' in n)}-of-00002.safetensors"
+                                            for n in names}}))
+    elif how == "integer_dtype":
+        state = load_file(str(weights))
+        name = next(n for n in state if "q_proj" in n)
+        state[name] = (state[name] * 100).to(torch.int8)
+        save_file(state, str(weights), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("how, says", [("truncated", "cannot read the weights"),
+                                       ("index_names_a_missing_shard", "names the shard model-00002-of-00002"),
+                                       ("integer_dtype", "stored as I8")])
+def test_a_damaged_checkpoint_is_one_line_and_stores_nothing(checkpoints, tmp_path, capsys, how, says):
+    folder = _damaged(checkpoints, tmp_path, how)
+    db, out = tmp_path / "graph.lbdb", tmp_path / "run"
+    code, _, err = run_cli(["analyze", str(folder), "--db", str(db), "--out", str(out), "--no-roles", "--no-causal",
+                            "--no-report"], capsys)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert len([line for line in lines if "error" in line.lower()]) == 1, err
+    assert not db.exists() and not (out / "run.json").exists()
