@@ -55,6 +55,29 @@ def test_streamed_weights_equal_the_loaded_models(checkpoints, family, processin
     assert streamed.loaded is None  # nothing loaded the whole model
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_composition_scores_from_the_streamed_factors_equal_those_of_the_weights(checkpoints, family):
+    """CS computed from the bases and k x k factors the streamed PK keeps, against composition_scores of the loaded
+    model's full W_Q ... W_O (itself tested equal to TransformerLens' in tests/test_composition.py)."""
+    from headgraph.analysis.composition import composition_scores
+    from headgraph.analysis.pk import pair_mask
+    from headgraph.pipeline import compute_pk
+
+    loaded = load_model(checkpoints[family], device="cpu")
+    types = ("OQ", "OK", "OV") if family == "gpt2" else ("OQ",)
+    pairs = compute_pk(open_model(checkpoints[family], device="cpu"), types, progress=False, null_heads=20,
+                       reference_samples=1000).pairs
+    n_heads = loaded.cfg["n_heads"]
+    layers = torch.arange(loaded.cfg["n_layers"]).repeat_interleave(n_heads)
+    mask = pair_mask(layers, layers, full_matrix=False, same_type=False)
+    for tp in types:
+        expected = composition_scores(loaded.W_Q, loaded.W_K, loaded.W_V, loaded.W_O, tp[1], mask, 2**30)
+        rows = pairs[pairs.source_type + pairs.target_type == tp]
+        src = rows.source_layer * n_heads + rows.source_head
+        tgt = rows.target_layer * n_heads + rows.target_head
+        np.testing.assert_allclose(rows.cs, expected[src.to_numpy(), tgt.to_numpy()].numpy(), rtol=1e-5, atol=0)
+
+
 def analyze(source, out: Path, **settings):
     from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
     from headgraph.analysis.options import PKOptions

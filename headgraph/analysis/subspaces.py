@@ -124,16 +124,6 @@ def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dty
     return SubspaceBases(weight_type=weight_type, bases=bases, ranks=ranks, singular_values=singular_values)
 
 
-def model_subspaces(weights: dict[str, torch.Tensor], types: set[str], dtype: torch.dtype,
-                    device: torch.device, tolerance_scale: float = 1.0) -> dict[str, SubspaceBases]:
-    """Bases for each weight type in `types`, from TL-layout weights {"Q": W_Q, "K": W_K, "V": W_V, "O": W_O}."""
-    return {
-        t: orthonormal_bases(head_matrices(weights[t].to(device), t), t, dtype, tolerance_scale)
-        for t in WEIGHT_TYPES
-        if t in types
-    }
-
-
 def rank_deficient_heads(subspaces: dict[str, SubspaceBases]) -> list[dict]:
     """One record per (type, head) whose numerical rank is below d_head."""
     records = []
