@@ -124,7 +124,7 @@ def agreement(checked: pd.DataFrame) -> dict[str, dict[str, float]]:
         if len(part) < 3:
             continue
         error = (part["effect_attr"] - part["effect_loss"]).abs()
-        rho = float(stats.spearmanr(part["effect_attr"], part["effect_loss"]).statistic)
+        rho = round(float(stats.spearmanr(part["effect_attr"], part["effect_loss"]).statistic), 12)  # 0.8 is 0.8
         found[kind] = {"edges": len(part), "spearman": rho,
                        "sign_agreement": float((np.sign(part["effect_attr"]) == np.sign(part["effect_loss"])).mean()),
                        "median_abs_error": float(error.median()), "max_abs_error": float(error.max()),
