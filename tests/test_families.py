@@ -39,12 +39,18 @@ FAST = {"device": "cpu", "progress": False, "reference_samples": 200, "null_head
 
 @pytest.fixture(scope="module")
 def runs(family_dirs, tmp_path_factory):
-    """{family: its run}, each family analysed once, on first use."""
+    """{family: its run}, each family analysed once, on first use (a failure too: each test of the family
+    raises it again)."""
     done = {}
 
     def run_of(name):
         if name not in done:
-            done[name] = headgraph.analyze(family_dirs[name], out=tmp_path_factory.mktemp(name) / "run", **FAST)
+            try:
+                done[name] = headgraph.analyze(family_dirs[name], out=tmp_path_factory.mktemp(name) / "run", **FAST)
+            except Exception as e:  # noqa: BLE001 - reported by every test that reads the run
+                done[name] = e
+        if isinstance(done[name], Exception):
+            raise done[name]
         return done[name]
 
     return run_of
