@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _fast
 import matplotlib.figure
 import networkx as nx
 import pandas as pd
@@ -23,9 +24,9 @@ from headgraph.loader.open_store import StoreSpec
 from headgraph.report.report import FIGURES
 
 MODEL = PACKAGED_MODELS_DIR / "induction-2l"
-FAST = {"device": "cpu", "reference_samples": 2000, "null_heads": 20, "progress": False}
-PK_ONLY = {**FAST, "roles": False, "causal": False}
-TOP_K = 5
+ON_CPU = {"device": "cpu", "progress": False}  # the same PK on every run of this module, whatever the machine
+PK_ONLY = {**ON_CPU, **_fast.PK_ONLY}
+TOP_K = 5  # the shared analysis's selection (conftest)
 
 
 def top_k_by_pk(pairs: pd.DataFrame, k: int) -> pd.DataFrame:
@@ -35,18 +36,24 @@ def top_k_by_pk(pairs: pd.DataFrame, k: int) -> pd.DataFrame:
     return table[table["rank"] <= k]
 
 
+@pytest.fixture
+def run(induction_run):
+    """The session's analysis of induction-2l through the API (conftest): roles, causal effects, its report."""
+    return induction_run
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One run with roles, causal effects (small input sets) and its report."""
-    return headgraph.analyze("induction-2l", out=tmp_path_factory.mktemp("api") / "run", top_k=TOP_K, report=True,
-                             roles_n_inputs=20, causal_n_inputs=8, causal_n_boot=200, **FAST)
+def pk_only(tmp_path_factory):
+    """The PK alone of induction-2l, analysed from its folder."""
+    return headgraph.analyze(MODEL, out=tmp_path_factory.mktemp("api") / "pk", **PK_ONLY)
 
 
 def pk_table(run) -> pd.DataFrame:
     return run.pairs.set_index(["source", "target", "source_type", "target_type"])["pk"].sort_index()
 
 
-def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(tmp_path):
+@pytest.mark.slow
+def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(pk_only, tmp_path):
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -54,7 +61,7 @@ def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(tmp_path)
     weights_before = {k: v.clone() for k, v in lm_head_model.state_dict().items()}
     base_model = AutoModel.from_pretrained(MODEL)  # no LM head: placed into the class the bridge expects
     bridge = TransformerBridge.boot_transformers(str(MODEL), device="cpu")
-    from_folder = pk_table(headgraph.analyze(MODEL, out=tmp_path / "folder", **PK_ONLY))
+    from_folder = pk_table(pk_only)
     assert len(from_folder) == 3 * 16 and from_folder.notna().all()
     for name, model in {"lm_head": lm_head_model, "base": base_model, "bridge": bridge}.items():
         loaded = headgraph.analyze(model, out=tmp_path / name, **PK_ONLY)
@@ -65,7 +72,7 @@ def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(tmp_path)
     assert lm_head_model.config._attn_implementation == "sdpa" and not bridge.compatibility_mode
 
 
-def test_a_model_without_its_tokenizer_needs_tokenizer(tmp_path):
+def test_a_model_without_its_tokenizer_needs_tokenizer(pk_only, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
     config = AutoConfig.from_pretrained(MODEL)
@@ -76,8 +83,7 @@ def test_a_model_without_its_tokenizer_needs_tokenizer(tmp_path):
         headgraph.analyze(model, out=tmp_path / "none", **PK_ONLY)
     given = headgraph.analyze(model, tokenizer=AutoTokenizer.from_pretrained(MODEL), out=tmp_path / "given", **PK_ONLY)
     assert given.record.model.source == "GPT2LMHeadModel in memory"
-    folder = headgraph.analyze(MODEL, out=tmp_path / "folder", **PK_ONLY)
-    pd.testing.assert_series_equal(pk_table(given), pk_table(folder), check_exact=True)
+    pd.testing.assert_series_equal(pk_table(given), pk_table(pk_only), check_exact=True)
 
 
 def test_a_decoder_base_model_with_an_untied_head_is_refused(tmp_path):
@@ -172,12 +178,11 @@ def test_plot_returns_the_figure_the_report_drew(run, name):
     assert drawn.getvalue() == (run.path / f"fig_{name}.png").read_bytes()
 
 
-def test_plot_names_its_choices_and_the_missing_data(run, tmp_path):
+def test_plot_names_its_choices_and_the_missing_data(run, pk_only):
     with pytest.raises(UsageError, match="unknown figure 'kl'.*pk_distributions, kl_heatmap"):
         run.plot("kl")
-    without = headgraph.analyze("induction-2l", out=tmp_path / "pk", **PK_ONLY)
     with pytest.raises(UsageError, match="no data for the 'causal' figure"):
-        without.plot("causal")
+        pk_only.plot("causal")
 
 
 def test_repr_html_shows_model_id_and_top_hubs(run):
@@ -236,6 +241,8 @@ def test_the_cli_flags_and_the_api_keywords_ask_for_the_same_analysis(monkeypatc
         assert done.exit_code == 0, done.output
         return asked.pop()
 
+    for keywords in (_fast.FAST, _fast.PK_ONLY):  # the tests' fast settings mean the same either way
+        assert cli_options(*_fast.flags(keywords), "--no-store", "--no-report") == analyze_options(**keywords)
     no_loss = cli_options("--causal-loss-edges", "0", "--no-store", "--no-report")
     assert no_loss == analyze_options(causal_loss=False) and no_loss.causal.loss is False
     assert cli_options() == analyze_options(store=True, report=True)
@@ -251,6 +258,7 @@ def test_import_headgraph_and_its_api_load_no_torch():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_the_quickstart_notebook_runs(tmp_path):
     import nbformat
     from nbclient import NotebookClient

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 import torch
 from _commands import headgraph
+from _fast import FLAGS, PK, PK_ONLY
 from scipy.stats import spearmanr
 
 from headgraph.analysis.selection import SelectionPolicy
@@ -58,10 +59,11 @@ def test_the_rank_tolerance_scale_moves_the_numerical_rank():
     assert ranks == {10.0: 15, 1.0: 15, 0.1: 16}
 
 
+@pytest.mark.slow
 def test_stability_of_the_induction_model_end_to_end(tmp_path):
     out = tmp_path / "run"
-    done = headgraph("analyze", "induction-2l", "--stability", "--out", str(out), "--no-store", "--causal-n", "8",
-                     "--causal-loss-edges", "0", "--n-inputs", "20", "--null-heads", "20", "--reference-samples", "1000")
+    done = headgraph("analyze", "induction-2l", "--stability", "--out", str(out), "--no-store",
+                     "--causal-loss-edges", "0", *FLAGS)
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "stability.json").read_text())
     variants = report["variants"]
@@ -85,15 +87,14 @@ def test_reruns_read_the_recorded_settings_not_the_words_of_the_record(tmp_path)
     from headgraph.runs import load_run
     from headgraph.stability import rerun_options
 
-    run = headgraph.analyze("induction-2l", out=tmp_path / "run", roles=False, causal=False, progress=False,
-                            device="cpu", reference_samples=1000, null_heads=20, full_matrix=True, seed=2, top_k=4)
+    run = headgraph.analyze("induction-2l", out=tmp_path / "run", progress=False, device="cpu", full_matrix=True,
+                            seed=2, top_k=4, **PK_ONLY)
     path = run.path / "run.json"
     written = json.loads(path.read_text())
     assert written["full_matrix"] is True and written["pairs"].startswith("full matrix")
     path.write_text(json.dumps({**written, "pairs": "earlier layer -> strictly later layer"}))  # words that disagree
     options = rerun_options(load_run(run.path))
-    assert options.pk == PKOptions(types=("OQ", "OK", "OV"), full_matrix=True, device="cpu", seed=2,
-                                   reference_samples=1000, null_heads=20)
+    assert options.pk == PKOptions(types=("OQ", "OK", "OV"), full_matrix=True, device="cpu", seed=2, **PK)
     assert options.policy == SelectionPolicy(top_k=4) and options.roles is None and options.causal is None
     assert options.store is None and not options.report
     # a run.json of format 3 recorded the setting only in words: they are read for it there

@@ -18,6 +18,7 @@ import pytest
 import torch
 from _cli import run_cli
 from _commands import headgraph
+from _fast import PK, PK_ONLY_FLAGS, flags
 from _pairs import HUB, planted_pairs, run_graph
 
 from headgraph import __version__
@@ -26,11 +27,9 @@ from headgraph.analysis.selection import SelectionPolicy
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
 
-FAST = ["--null-heads", "20", "--reference-samples", "1000", "--no-causal"]
-QUICK = [*FAST, "--no-roles", "--no-store", "--no-report"]
+FAST = flags({**PK, "causal": False})
+QUICK = [*PK_ONLY_FLAGS, "--no-store", "--no-report"]
 BIG_INT = "99999999999999999999"  # beyond int64
-
-
 
 
 def one_line(err: str) -> str:

@@ -206,6 +206,7 @@ def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path)
     assert not (tmp_path / "none.lbdb").exists()
 
 
+@pytest.mark.slow
 def test_selection_centrality_and_device_resolution_happen_once_per_analyze(planted, tmp_path, monkeypatch):
     """Every module's binding of select_edges and head_centrality is counted: a second selection anywhere in
     analyze (summary, report, store) would show."""
