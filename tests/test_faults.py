@@ -26,6 +26,8 @@ from click.testing import CliRunner
 from headgraph.cli import cli
 from headgraph.testing.synthetic import save_synthetic
 
+pytestmark = pytest.mark.slow  # each test starts, kills or races real processes: seconds to minutes apiece
+
 ANALYZE = ["--types", "all", "--top-k", "0", "--no-roles", "--no-causal", "--no-report", "--null-heads", "2",
            "--reference-samples", "100", "--processing", "raw"]
 COUNTS = ("MATCH (r:Run) WHERE r.id STARTS WITH $prefix OPTIONAL MATCH (h:Head) WHERE h.run_id = r.id "
@@ -87,7 +89,6 @@ def kill_and_check(moments, model, store_args, tmp_path, expected_heads, expecte
     assert set(statuses.values()) == {"complete"} and not partial & set(statuses)
 
 
-@pytest.mark.slow
 def test_kill_9_during_a_152k_edge_load_into_ladybug_loses_nothing_reported_done(tmp_path):
     model = save_synthetic(tmp_path / f"fault-{uuid.uuid4().hex[:6]}", n_layers=12, n_heads=12, d_model=192)
     store_args = ["--db", str(tmp_path / "graph.lbdb")]
@@ -106,7 +107,6 @@ def test_kill_9_during_a_152k_edge_load_into_ladybug_loses_nothing_reported_done
     kill_and_check(moments, model, store_args, tmp_path, 144, pair_count(12, 12), env)
 
 
-@pytest.mark.slow
 @pytest.mark.neo4j
 def test_kill_9_during_a_neo4j_load_loses_nothing_reported_done(tmp_path, neo4j_config):
     model = save_synthetic(tmp_path / f"fault-{uuid.uuid4().hex[:6]}", n_layers=5, n_heads=8, d_model=128)

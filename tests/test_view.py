@@ -26,6 +26,8 @@ from headgraph.report.interactive import LIBRARY
 from headgraph.report.report import render_report
 from headgraph.runs import load_run
 
+pytestmark = pytest.mark.slow  # headless Chromium, `python -m headgraph view` processes, a report rendered per test
+
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TOP_K = 5
 HOSTILE_CLASS = "</script><script>window.pwned = 1</script>"
