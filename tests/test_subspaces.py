@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from headgraph.analysis.subspaces import head_matrices, model_subspaces, orthonormal_bases, rank_deficient_heads
+from headgraph.analysis.subspaces import head_matrices, head_statistics, orthonormal_bases, rank_deficient_heads
+
+
+def model_subspaces(weights, types, dtype, device):
+    """The bases of `types` as the subspaces stage builds them: layer by layer (head_statistics)."""
+    layers = [{f"W_{t}": w[layer] for t, w in weights.items()} for layer in range(weights["Q"].shape[0])]
+    return {t: s for t, s in head_statistics(layers, len(layers), dtype, device).subspaces.items() if t in types}
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +66,12 @@ def test_grouped_query_keys_keep_their_native_heads():
 def test_bad_weight_type_is_refused():
     with pytest.raises(ValueError, match="weight type"):
         head_matrices(torch.zeros(1, 1, 4, 2), "X")
+
+
+def test_layer_by_layer_moments_equal_the_second_moment_of_all_heads(weights):
+    from headgraph.analysis.significance import second_moment
+
+    layers = [{f"W_{t}": w[layer] for t, w in weights.items()} for layer in range(3)]
+    moments = head_statistics(layers, 3, torch.float64, torch.device("cpu")).moments
+    for t in "QKVO":
+        torch.testing.assert_close(moments[t], second_moment(weights[t], t), atol=1e-12, rtol=0)
