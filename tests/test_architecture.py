@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headgraph"
 
@@ -146,6 +147,7 @@ def test_the_cypher_check_catches_cypher():
     assert [line for line, _ in cypher_literals(source)] == [1, 6, 6, 6]
 
 
+@pytest.mark.slow
 def test_the_cli_process_settings_reach_torch():
     """`headgraph` sets OMP_WAIT_POLICY (read once, when torch loads) in main(): that works only while importing
     the CLI does not load torch; a value the user set is kept."""

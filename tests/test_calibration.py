@@ -35,6 +35,7 @@ def in_new_process() -> tuple[str, float]:
     return tuple(json.loads(done.stdout))
 
 
+@pytest.mark.slow
 def test_measured_once_then_cached_in_the_process_and_in_the_file(cache_dir):
     first = calibration.rates("cpu", torch.float64, 32, 8)
     assert first.source == "measured" and first.measured
@@ -45,6 +46,7 @@ def test_measured_once_then_cached_in_the_process_and_in_the_file(cache_dir):
     assert in_new_process() == ("cache file", first.gram)
 
 
+@pytest.mark.slow
 def test_invalidation_measures_again(cache_dir, monkeypatch):
     calibration.rates("cpu", torch.float64, 32, 8)
     monkeypatch.setenv(calibration.RECALIBRATE_ENV, "1")

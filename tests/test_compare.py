@@ -124,6 +124,7 @@ def planted_checkpoints(tmp_path_factory):
     return runs, added, truths["tuned"]
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoints_differing_by_one_planted_edge(planted_checkpoints):
     runs, added, truth = planted_checkpoints
     (source, target, kind, _alpha), = added

@@ -397,6 +397,7 @@ def assert_bounded(code, out, err):
         assert ("memory" in err or "limit of a read" in err) and "narrow it" in err, err
 
 
+@pytest.mark.slow
 def test_paths_on_a_dense_embedded_run_stays_under_1_gb(tmp_path):
     path = tmp_path / "dense.lbdb"
     with LadybugStore(path) as store:
@@ -429,6 +430,7 @@ def test_an_embedded_read_cannot_grow_the_process_past_its_bound(tmp_path, lbdb,
 
 
 @pytest.mark.neo4j
+@pytest.mark.slow
 def test_a_neo4j_read_is_held_to_the_bound_without_aborting(tmp_path, neo4j_config):
     """A 256 MiB string, which the server builds past its transaction limit: unbounded the client printed it at a
     2.3 GB peak; under RLIMIT_DATA while the driver decodes it, its Rust decoder aborted the process (SIGABRT).
@@ -443,6 +445,7 @@ def test_a_neo4j_read_is_held_to_the_bound_without_aborting(tmp_path, neo4j_conf
 
 
 @pytest.mark.neo4j
+@pytest.mark.slow
 def test_paths_on_a_dense_neo4j_run_fails_cleanly_or_answers(tmp_path, neo4j_config):
     config = neo4j_config
     with open_store(neo4j=config["uri"], user=config["user"], password=config["password"]) as store:

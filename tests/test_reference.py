@@ -11,7 +11,8 @@ from scipy import stats
 from headgraph.analysis.reference import (beta_log_sf, beta_parameters, histogram_edges, isotropic_log10_p,
                                           isotropic_moments, isotropic_z, kl_divergence, sample_isotropic_pk)
 
-SHAPES = [(64, 16, 16), (64, 16, 8), (20, 12, 15), (30, 20, 25), (384, 32, 32), (10, 10, 3)]
+SHAPES = [(64, 16, 16), (64, 16, 8), (20, 12, 15), (30, 20, 25), pytest.param(384, 32, 32, marks=pytest.mark.slow),
+          (10, 10, 3)]
 
 
 def qr_pk_samples(d, k, k_prime, n, seed):
@@ -56,6 +57,7 @@ def test_samplers_are_seedable():
     assert not np.array_equal(sample_isotropic_pk(64, 8, 8, 100, seed=3), sample_isotropic_pk(64, 8, 8, 100, seed=4))
 
 
+@pytest.mark.slow
 def test_beta_tail_matches_the_sampled_tail():
     d, k = 128, 16
     n = 1_000_000

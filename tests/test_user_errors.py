@@ -283,6 +283,7 @@ class CuttableForwarder:
 
 
 @pytest.mark.neo4j
+@pytest.mark.slow
 def test_neo4j_lost_mid_load_fails_within_15_s_with_one_line(neo4j_config, neo4j_driver, tmp_path):
     uri = neo4j_config["uri"]
     assert uri.startswith("bolt://"), "the forwarder needs a direct (bolt://) URI"
@@ -312,6 +313,7 @@ def test_neo4j_lost_mid_load_fails_within_15_s_with_one_line(neo4j_config, neo4j
 
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("shape, edges", [({"n_layers": 1}, 0), ({"n_heads": 1, "d_model": 16, "d_head": 16}, 3)])
+@pytest.mark.slow
 def test_one_layer_and_one_head_models_are_analysed_end_to_end(shape, edges, tmp_path, capsys):
     model = save_synthetic(tmp_path / "m", **shape)
     db, out = str(tmp_path / "store.lbdb"), tmp_path / "r"
@@ -357,6 +359,7 @@ def test_a_failed_analyze_leaves_no_empty_store(synthetic_dir, tmp_path, capsys)
     assert not (tmp_path / "store.lbdb").exists() and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_into_the_same_folder_keeps_nothing_of_the_earlier_run(synthetic_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(["analyze", str(synthetic_dir), *FAST, "--no-roles", "--no-store", "--out", str(out)], capsys)[0] == 0
