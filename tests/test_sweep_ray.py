@@ -21,6 +21,7 @@ from _doomed import doomed_worker_env
 
 from headgraph.loader.ladybug_store import LadybugStore
 
+pytestmark = pytest.mark.slow  # a real Ray head and its workers
 MODELS = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
 SMALL = ["--no-report", "--null-heads", "8", "--reference-samples", "500", "--n-inputs", "16", "--causal-n", "8"]
 VOLATILE = {"key", "run_id", "_label"}  # differ between two stores of the same content: ids and labels
