@@ -126,7 +126,7 @@ def projection_kernel(ctx: Context) -> None:
                                                       tp[0] == tp[1])) for tp in opts.types}
     with _within_memory():
         plan = plan_bases(bases, requests, opts.max_memory, opts.formulation)
-    task = ctx.progress.add_task("projection kernel", total=len(plan.tiles))
+    task = ctx.progress.add_task("projection kernel", total=plan.steps)
     pk = pk_pass(bases, plan, advance=lambda n: ctx.progress.advance(task, n))
     for tp in opts.types:
         src_idx, tgt_idx = (i.numpy() for i in torch.nonzero(requests[tp].mask, as_tuple=True))
@@ -191,7 +191,7 @@ def model_null(ctx: Context) -> None:
     sets = significance.null_head_sets(ctx.statistics.moments, widths, opts.types, opts.null_heads, opts.seed)
     with _within_memory():
         plan = significance.plan_null(sets, opts.types, opts.max_memory)
-    task = ctx.progress.add_task("model-matched null", total=len(plan.tiles))
+    task = ctx.progress.add_task("model-matched null", total=plan.steps)
     nulls = significance.null_pk_samples(sets, plan, advance=lambda n: ctx.progress.advance(task, n))
     for tp in opts.types:
         edges = ctx.edges[tp]

@@ -32,7 +32,7 @@ CACHE_ENV = "HEADGRAPH_CACHE_DIR"
 RECALIBRATE_ENV = "HEADGRAPH_RECALIBRATE"
 CACHE_FILE = "pk-calibration.json"
 KERNELS = ("gram", "projector_build", "projector_tile")
-VERSION = 2  # of the measurement: part of the cache key
+VERSION = 3  # of the measurement: part of the cache key
 _CALIBRATION_BYTES = 64 * 2**20  # bound on the calibration's vectors
 _MEMORY: dict[str, "Rates"] = {}
 
@@ -118,9 +118,9 @@ def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[str, float]:
-    """FLOP/s of the three kernels at tile sizes like a run's (random data: speed does not depend on the values):
-    a gram tile of s x 32 heads whose Gram block is GRAM_TILE_BYTES; building n <= 48 heads' projectors; a
-    projector tile of 48 x 48 heads over min(L, what fits 64 MiB) entries."""
+    """FLOP/s of the three kernels at sizes like a run's (random data: speed does not depend on the values): a gram
+    tile of s x 32 heads whose Gram block is GRAM_TILE_BYTES; one projector chunk built for up to 256 heads (what 64 MiB of bases holds), and a
+    projector tile of 256 x 256 heads over one chunk (chunks of what 64 MiB holds for 256 heads, as a pass's)."""
     block = projectors.projector_block(d, k)
     itemsize = torch.finfo(dtype).bits // 8
     generator = torch.Generator().manual_seed(0)
@@ -128,23 +128,23 @@ def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[st
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=dtype).to(device)
 
-    length = projectors.projector_length(d, block)
-    n_build = max(1, min(48, _CALIBRATION_BYTES // (length * itemsize)))
-    n_tile, tile_length = 48, min(length, _CALIBRATION_BYTES // (48 * itemsize))
+    n, n_build = 256, max(1, min(256, _CALIBRATION_BYTES // (d * k * itemsize)))
+    chunks = projectors.projector_chunks(d, block, max(block, _CALIBRATION_BYTES // (2 * n * itemsize)))
+    chunk = max(chunks, key=lambda c: sum(p.entries for p in c))
+    entries = sum(p.entries for p in chunk)
     t = 32
     s = max(1, min(t, projectors.GRAM_TILE_BYTES // projectors.tile_bytes("gram", 1, t, k, k, itemsize)))
-    stacked, heads, vectors = projectors.build("gram", randn(t, d, k), block), randn(n_build, d, k), [randn(n_tile, tile_length)]
-    everything = slice(0, n_tile)
+    stacked, heads, vectors = projectors.build(randn(t, d, k)), randn(n_build, d, k), randn(n, entries)
+    out = torch.zeros(n, n, dtype=dtype, device=device)
     seconds = {
-        "gram": _best_seconds(lambda: projectors.tile("gram", stacked, stacked, slice(0, s), slice(0, t), k, k), device),
-        "projector_build": _best_seconds(lambda: projectors.build("projector", heads, block), device),
-        "projector_tile": _best_seconds(lambda: projectors.tile("projector", vectors, vectors, everything, everything,
-                                                                k, k), device),
+        "gram": _best_seconds(lambda: projectors.tile(stacked, stacked, slice(0, s), slice(0, t), k, k), device),
+        "projector_build": _best_seconds(lambda: projectors.build_chunk(heads, chunk), device),
+        "projector_tile": _best_seconds(lambda: out.addmm_(vectors, vectors.T), device),
     }
     flops = {
         "gram": s * t * projectors.tile_flops("gram", d, k, k, block),
-        "projector_build": n_build * projectors.build_flops("projector", d, k, block),
-        "projector_tile": 2.0 * n_tile * n_tile * tile_length,
+        "projector_build": 2.0 * k * n_build * entries,
+        "projector_tile": 2.0 * n * n * entries,
     }
     return {kernel: flops[kernel] / seconds[kernel] for kernel in KERNELS}
 

@@ -112,6 +112,12 @@ class PKPlan:
     predicted: dict[str, float]
     reason: str
     rates: Rates
+    chunks: tuple = field(default=(), repr=False)  # projector: the pieces of each chunk (projectors.projector_chunks)
+
+    @property
+    def steps(self) -> int:
+        """Steps of the pass, for a progress display: chunks (projector) or tiles (gram)."""
+        return len(self.chunks) if self.formulation == "projector" else len(self.tiles)
 
     @property
     def flops(self) -> float:
@@ -125,7 +131,7 @@ class PKPlan:
                 "projector_block": self.block, "group_heads": self.group, "group_builds": self.builds,
                 "built_heads": self.built_heads, "sets": {name: {"heads": s[0], "d": s[1], "k": s[2]}
                                                           for name, s in self.shapes.items()},
-                "tiles": len(self.tiles), "needed_pairs": self.needed_pairs, "computed_pairs": self.computed_pairs,
+                "tiles": len(self.tiles), "chunks": len(self.chunks), "needed_pairs": self.needed_pairs, "computed_pairs": self.computed_pairs,
                 "working_bytes": self.working_bytes, "calibration": self.rates.describe()}
 
 
@@ -226,50 +232,63 @@ class _Candidate:
     computed_pairs: int
     seconds: float
     working_bytes: int
+    chunks: tuple = ()
 
 
 def _candidate(formulation: str, products: list[Product], shapes: dict, d: int, block: int, group: int,
                itemsize: int, budget: int, rates: Rates) -> _Candidate | None:
-    """The plan of one formulation with groups of `group` heads, or None if it cannot fit `budget`."""
+    """The gram plan with groups of `group` heads, or None if it cannot fit `budget`."""
     k_max = max(s[2] for s in shapes.values())
     group_bytes = itemsize * group * projectors.vector_elements(formulation, d, k_max, block)
-    temporary = projectors.build_temporary_bytes(formulation, group, d, k_max, block, itemsize)
     n_groups = sum(math.ceil(s[0] / group) for s in shapes.values())
-    if formulation == "gram":  # groups take at most half the budget (two at least), tiles (Gram blocks) the rest
-        capacity = min(n_groups, max(2, budget // 2 // group_bytes))
-        tile_budget = min(projectors.GRAM_TILE_BYTES, budget - capacity * group_bytes)
-        max_area = tile_budget // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
-    else:
-        max_area = group * group
-        capacity = min(n_groups, (budget - temporary - projectors.tile_bytes("projector", group, group, k_max, k_max,
-                                                                             itemsize)) // group_bytes)
+    capacity = min(n_groups, max(2, budget // 2 // group_bytes))  # groups: at most half the budget, two at least
+    tile_budget = min(projectors.GRAM_TILE_BYTES, budget - capacity * group_bytes)
+    max_area = tile_budget // projectors.tile_bytes("gram", 1, 1, k_max, k_max, itemsize)
     if capacity < min(2, n_groups) or max_area < 1:
         return None
     tiles = _tiles(products, group, max_area, TILE_DENSITY[formulation])
     schedule = _schedule(tiles, products, group, capacity)
     heads = {name: s[0] for name, s in shapes.items()}
     built = [(name, min(group, heads[name] - g * group)) for missing, _ in schedule for name, g in missing]
-    build_flops = sum(n * projectors.build_flops(formulation, d, shapes[name][2], block) for name, n in built)
     areas = [(t.rows[1] - t.rows[0]) * (t.cols[1] - t.cols[0]) for t in tiles]
     tile_flops = sum(area * projectors.tile_flops(formulation, d, shapes[products[t.product].left][2],
                                                   shapes[products[t.product].right][2], block)
                      for t, area in zip(tiles, areas))
-    if formulation == "gram":
-        seconds = rates.seconds("gram", tile_flops)
-    else:
-        seconds = rates.seconds("projector_build", build_flops) + rates.seconds("projector_tile", tile_flops)
     held = np.cumsum([len(missing) - len(evict) for missing, evict in schedule]).max(initial=0)
     largest = max((projectors.tile_bytes(formulation, 1, 1, k_max, k_max, itemsize) * a for a in areas), default=0)
-    working = int(held) * group_bytes + (temporary if built else 0) + largest
-    return _Candidate(formulation, group, tiles, schedule, len(built), sum(n for _, n in built), build_flops,
-                      tile_flops, sum(areas), seconds, working)
+    return _Candidate(formulation, group, tiles, schedule, len(built), sum(n for _, n in built), 0.0, tile_flops,
+                      sum(areas), rates.seconds("gram", tile_flops), int(held) * group_bytes + largest)
+
+
+def _projector_candidate(products: list[Product], shapes: dict, d: int, block: int, itemsize: int, budget: int,
+                         rates: Rates) -> _Candidate | None:
+    """The projector plan: one chunk of every head's projector held at a time (and the temporary of its widest
+    piece), chunks as wide as `budget` allows, each head built once; None if a one-column chunk does not fit."""
+    heads = sum(s[0] for s in shapes.values())
+    tiles = _tiles(products, max(s[0] for s in shapes.values()), math.inf, TILE_DENSITY["projector"])
+    areas = [(t.rows[1] - t.rows[0]) * (t.cols[1] - t.cols[0]) for t in tiles]
+    largest = max((projectors.tile_bytes("projector", 1, 1, 1, 1, itemsize) * a for a in areas), default=0)
+    entries = (budget - largest) // (2 * itemsize * heads)  # the chunk and its widest piece's product
+    if entries < min(block, d):
+        return None
+    chunks = projectors.projector_chunks(d, block, entries)
+    length = projectors.projector_length(d, block)
+    build_flops = sum(2.0 * s[2] * s[0] * length for s in shapes.values())
+    tile_flops = 2.0 * length * sum(areas)
+    widest = max(sum(p.entries for p in chunk) for chunk in chunks)
+    seconds = rates.seconds("projector_build", build_flops) + rates.seconds("projector_tile", tile_flops)
+    return _Candidate("projector", max(s[0] for s in shapes.values()), tiles, [], len(shapes), heads, build_flops,
+                      tile_flops, sum(areas), seconds, 2 * itemsize * heads * widest + largest, tuple(chunks))
 
 
 def _best_candidate(formulation: str, products: list[Product], shapes: dict, d: int, block: int, itemsize: int,
                     budget: int, rates: Rates) -> _Candidate | None:
     """The largest group size (halving from the largest set) that holds every group at once, each built once
     in large tiles; if none fits, the fastest predicted of the three largest that fit (the cost model counts
-    FLOPs, so among groups that all hold everything it would favour small, tight but slower tiles)."""
+    FLOPs, so among groups that all hold everything it would favour small, tight but slower tiles). The projector
+    has no groups: its chunks are as wide as the budget allows."""
+    if formulation == "projector":
+        return _projector_candidate(products, shapes, d, block, itemsize, budget, rates)
     n_max = max(s[0] for s in shapes.values())
     fits = []
     for group in sorted({max(1, math.ceil(n_max / 2**i)) for i in range(n_max.bit_length() + 1)}, reverse=True):
@@ -320,7 +339,7 @@ def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKReque
     return PKPlan(chosen.formulation, block, chosen.group, dict(shapes), dict(requests), tuple(products),
                   tuple(chosen.tiles), tuple(chosen.schedule), chosen.builds, chosen.built_heads, chosen.build_flops,
                   chosen.tile_flops, sum(int(p.needed.sum()) for p in products), chosen.computed_pairs,
-                  chosen.seconds, chosen.working_bytes, predicted, reason, rates)
+                  chosen.seconds, chosen.working_bytes, predicted, reason, rates, chosen.chunks)
 
 
 def plan_bases(bases: dict[str, torch.Tensor], requests: dict[str, PKRequest], max_memory: int = DEFAULT_MAX_MEMORY,
@@ -336,26 +355,15 @@ def plan_bases(bases: dict[str, torch.Tensor], requests: dict[str, PKRequest], m
 def pk_pass(bases: dict[str, torch.Tensor], plan: PKPlan,
             advance: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """Run a plan over bases {name: [n_heads, d, k]} (heads ordered by layer); returns each request's
-    [n_source, n_target] PK matrix, NaN where its mask is False. `advance(1)` is called after each tile."""
+    [n_source, n_target] PK matrix, NaN where its mask is False. `advance(1)` is called after each step
+    (plan.steps: a tile, or a projector chunk)."""
     device, dtype = next(iter(bases.values())).device, next(iter(bases.values())).dtype
-    outputs = [torch.full((plan.shapes[p.left][0], plan.shapes[p.right][0]), math.nan, dtype=dtype, device=device)
+    outputs = [torch.zeros((plan.shapes[p.left][0], plan.shapes[p.right][0]), dtype=dtype, device=device)
                for p in plan.products]
-    held: dict[tuple[str, int], list[torch.Tensor]] = {}
-    group = plan.group
-    for tile, (build, evict) in zip(plan.tiles, plan.schedule):
-        for key in evict:
-            del held[key]
-        for name, g in build:
-            held[(name, g)] = projectors.build(plan.formulation, bases[name][g * group:(g + 1) * group], plan.block)
-        product = plan.products[tile.product]
-        g, h = tile.rows[0] // group, tile.cols[0] // group
-        rows = slice(tile.rows[0] - g * group, tile.rows[1] - g * group)
-        cols = slice(tile.cols[0] - h * group, tile.cols[1] - h * group)
-        outputs[tile.product][tile.rows[0]:tile.rows[1], tile.cols[0]:tile.cols[1]] = projectors.tile(
-            plan.formulation, held[(product.left, g)], held[(product.right, h)], rows, cols,
-            plan.shapes[product.left][2], plan.shapes[product.right][2])
-        if advance is not None:
-            advance(1)
+    if plan.formulation == "projector":
+        _projector_pass(bases, plan, outputs, advance)
+    else:
+        _gram_pass(bases, plan, outputs, advance)
     results = {}
     for product, out in zip(plan.products, outputs):
         if product.left == product.right:
@@ -365,6 +373,39 @@ def pk_pass(bases: dict[str, torch.Tensor], plan: PKPlan,
             mask = plan.requests[name].mask.to(device)
             results[name] = torch.where(mask, out.T if transposed else out, torch.full_like(mask, math.nan, dtype=dtype))
     return results
+
+
+def _gram_pass(bases, plan: PKPlan, outputs: list[torch.Tensor], advance) -> None:
+    held: dict[tuple[str, int], list[torch.Tensor]] = {}
+    group = plan.group
+    for tile, (build, evict) in zip(plan.tiles, plan.schedule):
+        for key in evict:
+            del held[key]
+        for name, g in build:
+            held[(name, g)] = projectors.build(bases[name][g * group:(g + 1) * group])
+        product = plan.products[tile.product]
+        g, h = tile.rows[0] // group, tile.cols[0] // group
+        rows = slice(tile.rows[0] - g * group, tile.rows[1] - g * group)
+        cols = slice(tile.cols[0] - h * group, tile.cols[1] - h * group)
+        outputs[tile.product][tile.rows[0]:tile.rows[1], tile.cols[0]:tile.cols[1]] = projectors.tile(
+            held[(product.left, g)], held[(product.right, h)], rows, cols,
+            plan.shapes[product.left][2], plan.shapes[product.right][2])
+        if advance is not None:
+            advance(1)
+
+
+def _projector_pass(bases, plan: PKPlan, outputs: list[torch.Tensor], advance) -> None:
+    """Each chunk of every head's projector built once, then every tile's share of the chunk added."""
+    for chunk in plan.chunks:
+        vectors = {name: projectors.build_chunk(heads, chunk) for name, heads in bases.items()}
+        for tile in plan.tiles:
+            product = plan.products[tile.product]
+            (r0, r1), (c0, c1) = tile.rows, tile.cols
+            outputs[tile.product][r0:r1, c0:c1].addmm_(vectors[product.left][r0:r1], vectors[product.right][c0:c1].T,
+                                                       alpha=chunk[0].weight)
+        del vectors
+        if advance is not None:
+            advance(1)
 
 
 def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, max_memory: int = DEFAULT_MAX_MEMORY,

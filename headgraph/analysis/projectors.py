@@ -1,21 +1,22 @@
-"""The two exact kernels of the Projection Kernel engine, for one group of heads at a time.
+"""The two exact kernels of the Projection Kernel engine.
 
 PK(a, b) = ||U_a^T U_b||_F^2 = tr(P_a P_b) for orthonormal bases U (d x k) and projectors P = U U^T.
 
 - "gram": a group's bases stacked as one (g k) x d matrix; a tile is one GEMM G = A B^T whose k x k' block
   (a, b) has PK(a, b) as its sum of squares. 2 d k k' FLOPs per pair.
-- "projector": a group's projectors vectorised over their upper block triangle (block size b), so that a
-  tile is PK = V_A V_B^T: 2 L FLOPs per pair with L = b^2 nb (nb + 1) / 2 ~ d^2 / 2 + d b / 2 entries
-  (nb = ceil(d / b)), whatever the head width, plus 2 L k FLOPs to build each head's vector once.
-  The vector is stored as nb segments (the nb diagonal blocks together, then the part of each block row
-  right of the diagonal, off-diagonal entries times sqrt 2) so that each segment is written by one
-  batched GEMM of the whole group with no copy; a tile sums one GEMM per segment.
+- "projector": tr(P_a P_b) summed over the upper block triangle of P (block size b): each block row's diagonal
+  block once, the blocks right of it twice, L = sum_i rows_i (d - i b) ~ d^2 / 2 + d b / 2 entries whatever the
+  head width. The entries are cut into chunks (`projector_chunks`) that a pass builds for every head of every
+  set at once (`build_chunk`: one batched GEMM per piece, 2 k FLOPs per entry) and contracts at once (one
+  GEMM per tile and chunk, 2 FLOPs per entry and pair), so that each head's projector is built exactly once
+  however small the memory budget: a smaller budget only means narrower chunks.
 
 Both hold for any d x k matrices, not only orthonormal ones (||A^T B||_F^2 = <A A^T, B B^T>), which the
 Composition Score uses. Nothing here loops over heads or pairs; same code on CUDA and CPU.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,14 +30,55 @@ def projector_block(d: int, width: int) -> int:
     return max(1, min(d, max(width, MIN_BLOCK)))
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Rows r0:r1, columns c0:c1 of every head's projector, counted `weight` times (1 on the diagonal blocks, 2
+    right of them)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    weight: float
+
+    @property
+    def entries(self) -> int:
+        return (self.r1 - self.r0) * (self.c1 - self.c0)
+
+
+def projector_pieces(d: int, block: int, max_entries: int | None = None) -> list[Piece]:
+    """The upper block triangle of a d x d projector as pieces of at most `max_entries` entries (whole blocks
+    when None): the diagonal blocks, then each block row's part right of its diagonal block, split by columns
+    where needed (the weight-1 pieces first, so that chunks hold many pieces)."""
+    rows = [(r0, min(r0 + block, d)) for r0 in range(0, d, block)]
+    spans = [(r0, r1, r0, r1, 1.0) for r0, r1 in rows] + [(r0, r1, r1, d, 2.0) for r0, r1 in rows if r1 < d]
+    pieces = []
+    for r0, r1, c_start, c_stop, weight in spans:
+        width = c_stop - c_start if max_entries is None else max(1, max_entries // (r1 - r0))
+        pieces += [Piece(r0, r1, c0, min(c0 + width, c_stop), weight) for c0 in range(c_start, c_stop, width)]
+    return pieces
+
+
+def projector_chunks(d: int, block: int, max_entries: int) -> list[tuple[Piece, ...]]:
+    """Consecutive pieces of the same weight grouped into chunks of at most `max_entries` entries (a piece is
+    never wider than one chunk)."""
+    chunks, current = [], []
+    for piece in projector_pieces(d, block, max_entries):
+        if current and (sum(p.entries for p in current) + piece.entries > max_entries
+                        or current[0].weight != piece.weight):
+            chunks.append(tuple(current))
+            current = []
+        current.append(piece)
+    return chunks + ([tuple(current)] if current else [])
+
+
 def projector_length(d: int, block: int) -> int:
-    """Entries L of one vectorised projector: nb (nb + 1) / 2 blocks of b x b, nb = ceil(d / b) (d padded)."""
-    nb = math.ceil(d / block)
-    return block * block * nb * (nb + 1) // 2
+    """Entries L of one head's projector that the pass contracts: the upper block triangle, blocks of `block`."""
+    return sum(p.entries for p in projector_pieces(d, block))
 
 
 def vector_elements(formulation: str, d: int, k: int, block: int) -> int:
-    """Elements one head occupies once built: its stacked basis (gram) or its vectorised projector."""
+    """Elements one head occupies once built: its stacked basis (gram) or its projector's entries (projector)."""
     return d * k if formulation == "gram" else projector_length(d, block)
 
 
@@ -50,51 +92,31 @@ def tile_flops(formulation: str, d: int, k_left: int, k_right: int, block: int) 
     return 2.0 * d * k_left * k_right if formulation == "gram" else 2.0 * projector_length(d, block)
 
 
-def build_temporary_bytes(formulation: str, heads: int, d: int, k: int, block: int, itemsize: int) -> int:
-    """Bytes of the temporaries made while building a group of `heads` heads (the padded bases, their scaled
-    transpose and the diagonal blocks' right operand for the projector)."""
-    if formulation == "gram":
-        return 0
-    padded = math.ceil(d / block) * block
-    return 3 * itemsize * heads * padded * k
-
-
-def build(formulation: str, bases: torch.Tensor, block: int) -> list[torch.Tensor]:
-    """A group's vectors, as a list of [g, m] matrices whose concatenation along dim 1 is each head's vector:
-    one (g k) x d stacked basis for gram (so g rows become g k), the nb projector segments otherwise."""
+def build(bases: torch.Tensor) -> list[torch.Tensor]:
+    """A group's stacked bases for the gram tile: one (g k) x d matrix."""
     g, d, k = bases.shape
-    if formulation == "gram":
-        return [bases.transpose(1, 2).reshape(g * k, d)]
-    nb = math.ceil(d / block)
-    padded = torch.nn.functional.pad(bases, (0, 0, 0, nb * block - d)) if nb * block != d else bases.contiguous()
-    scaled_t = (padded.transpose(1, 2) * math.sqrt(2.0)).contiguous()  # [g, k, nb b]
-    sizes = [nb * block * block] + [block * (nb - 1 - i) * block for i in range(nb - 1)]
-    buffer = torch.empty(g * sum(sizes), dtype=bases.dtype, device=bases.device)
-    segments, offset = [], 0
-    for size in sizes:
-        segments.append(buffer[offset:offset + g * size].view(g, size))
-        offset += g * size
-    rows = padded.view(g * nb, block, k)
-    diagonal_right = padded.view(g, nb, block, k).permute(0, 1, 3, 2).reshape(g * nb, k, block)
-    torch.bmm(rows, diagonal_right, out=segments[0].view(g * nb, block, block))
-    for i in range(nb - 1):
-        left = padded[:, i * block:(i + 1) * block]
-        torch.bmm(left, scaled_t[:, :, (i + 1) * block:], out=segments[i + 1].view(g, block, (nb - 1 - i) * block))
-    return segments
+    return [bases.transpose(1, 2).reshape(g * k, d)]
 
 
-def tile(formulation: str, left: list[torch.Tensor], right: list[torch.Tensor], rows: slice, cols: slice,
-         k_left: int, k_right: int) -> torch.Tensor:
-    """PK [s, t] of heads `rows` of the left group against heads `cols` of the right group (built vectors)."""
-    if formulation == "gram":
-        a = left[0][rows.start * k_left:rows.stop * k_left]
-        b = right[0][cols.start * k_right:cols.stop * k_right]
-        gram = (a @ b.T).square_()
-        return gram.view(rows.stop - rows.start, k_left, cols.stop - cols.start, k_right).sum(dim=(1, 3))
-    out = left[0][rows] @ right[0][cols].T
-    for a, b in zip(left[1:], right[1:]):
-        out.addmm_(a[rows], b[cols].T)
+def build_chunk(bases: torch.Tensor, chunk: tuple[Piece, ...]) -> torch.Tensor:
+    """[n_heads, entries] of one chunk of every head's projector (weights not applied: the tile applies them)."""
+    n = bases.shape[0]
+    out = torch.empty(n, sum(p.entries for p in chunk), dtype=bases.dtype, device=bases.device)
+    offset = 0
+    for p in chunk:
+        product = torch.bmm(bases[:, p.r0:p.r1], bases[:, p.c0:p.c1].transpose(1, 2))
+        out[:, offset:offset + p.entries] = product.view(n, -1)
+        offset += p.entries
     return out
+
+
+def tile(left: list[torch.Tensor], right: list[torch.Tensor], rows: slice, cols: slice, k_left: int,
+         k_right: int) -> torch.Tensor:
+    """Gram PK [s, t] of heads `rows` of the left group against heads `cols` of the right group (stacked bases)."""
+    a = left[0][rows.start * k_left:rows.stop * k_left]
+    b = right[0][cols.start * k_right:cols.stop * k_right]
+    gram = (a @ b.T).square_()
+    return gram.view(rows.stop - rows.start, k_left, cols.stop - cols.start, k_right).sum(dim=(1, 3))
 
 
 def tile_bytes(formulation: str, s: int, t: int, k_left: int, k_right: int, itemsize: int) -> int:
