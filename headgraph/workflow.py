@@ -84,10 +84,10 @@ def _inputs_seed(options: AnalyzeOptions) -> int:
 def load(ctx: Context) -> None:
     """The model in the processing asked, on the resolved device; the role tests' tokenizer checked before any
     PK work; the run's id and folder."""
-    from headgraph.loader.stream import open_model  # a folder's weights streamed to the PK, else load_model's
+    from headgraph.loader.models import load_model
 
     task = ctx.progress.add_task(f"loading {ctx.model_name}", total=1)
-    ctx.model = open_model(ctx.source, processing=ctx.options.processing, device=ctx.options.pk.device,
+    ctx.model = load_model(ctx.source, processing=ctx.options.processing, device=ctx.options.pk.device,
                            tokenizer=ctx.tokenizer)
     ctx.progress.advance(task)
     if ctx.options.roles:
