@@ -196,6 +196,7 @@ def effect_of(table, pair, column="effect"):
 # ---------- exact zeros ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("processing", ["raw", "tl"])
+@pytest.mark.slow
 def test_patching_a_sender_with_its_own_output_gives_exactly_zero(planted, processing):
     model = loaded(planted[0], processing)
     inputs = ioi_inputs(model.tokenizer, 6, seed=1)
@@ -204,6 +205,7 @@ def test_patching_a_sender_with_its_own_output_gives_exactly_zero(planted, proce
     assert (table[["effect", "effect_lo", "effect_hi"]] == 0).all().all()
 
 
+@pytest.mark.slow
 def test_patching_with_own_output_is_exactly_zero_in_a_post_ln_encoder(minilm):
     inputs = sentence_pair_inputs(minilm.tokenizer, 2, seed=0)
     table = C.local_effects(minilm, inputs, types=("OK",), corrupted=inputs, n_boot=20)
@@ -225,6 +227,7 @@ def test_loss_effect_of_patching_a_sender_with_itself_is_zero(synthetic_dir):
 # ---------- batched == one pair at a time ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("processing", ["raw", "tl"])
+@pytest.mark.slow
 def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(processing, monkeypatch):
     model = load_model("induction-2l", processing=processing, device="cpu")  # trained: LayerNorm weights not 1
     inputs = repeated_token_inputs(model.tokenizer, 12, seed=3, length=10)
@@ -235,6 +238,7 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
     np.testing.assert_allclose(factored.effect, recomputed.effect, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     model = load_model("induction-2l", device="cpu")
     inputs = repeated_token_inputs(model.tokenizer, 12, seed=3, length=10)
@@ -245,6 +249,7 @@ def test_local_effects_do_not_depend_on_the_memory_they_are_given():
 
 
 @pytest.mark.parametrize("processing, ablation", [("raw", "resample"), ("tl", "mean")])
+@pytest.mark.slow
 def test_batched_effects_equal_one_pair_at_a_time_through_hooks(planted, processing, ablation):
     """Pairs of every layer pair and type of a 3-layer model (padded IOI prompts, batches of 3) against
     TransformerLens' split-input hooks, one pair at a time."""
@@ -275,6 +280,7 @@ def minilm_effects(minilm):
 
 @pytest.mark.parametrize("pair", [((0, 3), (1, 5), "K"), ((0, 1), (2, 7), "K"), ((1, 0), (4, 2), "Q"),
                                   ((2, 4), (3, 9), "V"), ((0, 11), (5, 1), "V")], ids=str)
+@pytest.mark.slow
 def test_post_ln_effects_equal_one_pair_at_a_time_through_hooks(minilm, minilm_effects, pair):
     """BERT: the change passes the LayerNorms of the layers in between, their attention and MLPs clean; the
     downstream effect is the relative change of the final hidden states."""
@@ -289,6 +295,7 @@ def test_post_ln_effects_equal_one_pair_at_a_time_through_hooks(minilm, minilm_e
     assert float(loss.effect_loss.iloc[0]) == pytest.approx(final, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_loss_effects_equal_hooked_runs_of_the_rest_of_the_model(planted_key_path):
     """The downstream effect against the model run with r's own input patched through split-input hooks."""
     model = loaded(planted_key_path[0], "tl")
@@ -369,6 +376,7 @@ def hand_key_effect(state, ids, alt_ids):
     return tv[:, 1:].mean()  # every query but the first sees more than one key
 
 
+@pytest.mark.slow
 def test_a_planted_key_path_gives_the_hand_computed_change(planted_key_path):
     folder, state = planted_key_path
     model = loaded(folder)
@@ -388,6 +396,7 @@ def test_a_planted_key_path_gives_the_hand_computed_change(planted_key_path):
 
 # ---------- ablations and intervals ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_mean_and_resample_ablation_differ_and_resample_follows_its_seed(planted):
     model = loaded(planted[0], "tl")
     inputs = ioi_inputs(model.tokenizer, 8, seed=4)
@@ -413,6 +422,7 @@ def test_resampled_counterfactuals_are_other_inputs_at_least_as_long():
         C.resample_inputs(TokenInputs("one", ids[:1], mask[:1]))
 
 
+@pytest.mark.slow
 def test_bootstrap_intervals_contain_the_estimate_and_follow_the_seed(synthetic_dir):
     model = loaded(synthetic_dir)
     inputs = ioi_inputs(model.tokenizer, 12, seed=0)
@@ -425,6 +435,7 @@ def test_bootstrap_intervals_contain_the_estimate_and_follow_the_seed(synthetic_
     assert ((loss.effect_loss_lo <= loss.effect_loss) & (loss.effect_loss <= loss.effect_loss_hi)).all()
 
 
+@pytest.mark.slow
 def test_inputs_of_several_sets_pool_their_statistics(synthetic_dir):
     """Counts are pooled over both sets: the estimate is the query-weighted mean of the two sets' estimates."""
     model = loaded(synthetic_dir)
@@ -469,11 +480,13 @@ def test_bad_arguments_are_named(synthetic_dir):
         C.loss_effects(model, inputs, pd.DataFrame([edge]).drop(columns="target_type"))
 
 
+@pytest.mark.slow
 def test_the_docstring_example_runs():
     result = doctest.testmod(C, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 
+@pytest.mark.slow
 def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, monkeypatch):
     model = loaded(planted_key_path[0], "tl")
     probe = repeated_token_inputs(model.tokenizer, 1, seed=0, length=8)
