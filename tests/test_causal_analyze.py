@@ -15,6 +15,8 @@ from headgraph.loader.open_store import open_store
 from headgraph.queries.runner import run_named
 from headgraph.runs import load_run
 
+pytestmark = pytest.mark.slow  # one analysis of induction-2l with every stage, 70-90 s at load ~10
+
 CIRCUIT = {("L0H2", f"L1H{h}") for h in range(4)}  # the OK edges of the induction circuit
 KEY = ["source", "target", "source_type", "target_type"]
 EFFECTS = ["effect", "effect_lo", "effect_hi"]
