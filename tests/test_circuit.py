@@ -10,6 +10,8 @@ from headgraph.analysis.causal import causal_inputs, local_effects, loss_effects
 from headgraph.loader.models import load_model
 from headgraph.pipeline import compute_pk
 
+pytestmark = pytest.mark.slow  # PK and causal effects of two trained checkpoints, 8-32 s each at load ~10
+
 CIRCUIT = {("L0H2", f"L1H{h}") for h in range(4)}
 KEYS = ["source", "target", "source_type", "target_type"]
 
