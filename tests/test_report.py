@@ -58,6 +58,7 @@ def _render_elsewhere(folder, out_dir):
                                                  out_dir=out_dir) if name.startswith("fig_"))
 
 
+@pytest.mark.slow
 def test_a_report_rendered_in_a_pool_worker_has_every_figure(rendered, tmp_path):
     import multiprocessing
 
@@ -212,6 +213,7 @@ def _findings(md):
     return md.split("## Findings\n")[1].split("\n## ")[0]
 
 
+@pytest.mark.slow
 def test_the_report_leads_with_findings_then_the_graph_then_figures_and_ends_with_settings(analysed):
     _, out = analysed
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
@@ -225,6 +227,7 @@ def test_the_report_leads_with_findings_then_the_graph_then_figures_and_ends_wit
     assert "time subspaces (s)" in settings and "time subspaces (s)" not in before
 
 
+@pytest.mark.slow
 def test_the_findings_name_the_planted_hub_and_each_types_strongest_edge_with_its_effects(analysed):
     truth, out = analysed
     findings = _findings((out / "report.md").read_text())
@@ -249,6 +252,7 @@ def _with_causal(run, **causal):
     return dataclasses.replace(run, record=dataclasses.replace(run.record, causal=causal))
 
 
+@pytest.mark.slow
 def test_the_findings_warn_on_poor_attribution_agreement_and_on_nothing_else_when_every_stage_ran(analysed):
     _, out = analysed
     findings = _findings((out / "report.md").read_text())
@@ -266,6 +270,7 @@ def test_the_findings_warn_on_poor_attribution_agreement_and_on_nothing_else_whe
     assert "Warnings" not in _findings(to_markdown(blocks)) and "class='warnings'" not in to_html(blocks, "t")
 
 
+@pytest.mark.slow
 def test_a_skipped_causal_stage_is_warned_in_the_findings(analysed):
     run = load_run(analysed[1])
     effects = [c for c in run.pairs.columns if c.startswith("effect")]
@@ -278,6 +283,7 @@ def test_a_skipped_causal_stage_is_warned_in_the_findings(analysed):
     assert "<div class='warnings'><strong>Warnings</strong><ul><li>Causal effects were skipped" in to_html(blocks, "t")
 
 
+@pytest.mark.slow
 def test_poor_attribution_agreement_is_warned_on_the_types_below_08(analysed):
     run = load_run(analysed[1])
     causal = {key: value for key, value in run.record.causal.items() if key != "agreement"}
