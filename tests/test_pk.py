@@ -168,6 +168,7 @@ def test_xy_and_yx_share_one_product(gqa_bases):
     torch.testing.assert_close(results["QO"], results["OQ"].T, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_formulations_agree_and_the_plan_holds_tight_memory_budgets(gqa_bases):
     everything, _ = type_pass(gqa_bases, TYPE_PAIRS, "gram")
     plans = {}
@@ -265,6 +266,7 @@ def _resident_peak(budget: int) -> dict:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.slow
 def test_the_process_resident_memory_stays_within_the_budget():
     """Measured by the kernel (peak RSS of a fresh process, reset before the pass), not by the planner: a 24 MiB
     budget keeps the pass under 24 MiB + 6 MiB (interpreter and small tensors) while the same pass with room to
