@@ -32,7 +32,7 @@ CACHE_ENV = "HEADGRAPH_CACHE_DIR"
 RECALIBRATE_ENV = "HEADGRAPH_RECALIBRATE"
 CACHE_FILE = "pk-calibration.json"
 KERNELS = ("gram", "projector_build", "projector_tile")
-VERSION = 3  # of the measurement: part of the cache key
+VERSION = 5  # of the measurement: part of the cache key
 _CALIBRATION_BYTES = 64 * 2**20  # bound on the calibration's vectors
 _MEMORY: dict[str, "Rates"] = {}
 
@@ -119,8 +119,9 @@ def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
 
 def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[str, float]:
     """FLOP/s of the three kernels at sizes like a run's (random data: speed does not depend on the values): a gram
-    tile of s x 32 heads whose Gram block is GRAM_TILE_BYTES; one projector chunk built for up to 256 heads (what 64 MiB of bases holds), and a
-    projector tile of 256 x 256 heads over one chunk (chunks of what 64 MiB holds for 256 heads, as a pass's)."""
+    tile of s x 32 heads whose Gram block is GRAM_TILE_BYTES; the first piece right of a diagonal block (as wide as
+    64 MiB holds: such pieces are all but d b / 2 of a projector's entries) built for n <= 256 heads (what 64 MiB
+    of bases holds) and its n x n-head tile, as a pass runs them."""
     block = projectors.projector_block(d, k)
     itemsize = torch.finfo(dtype).bits // 8
     generator = torch.Generator().manual_seed(0)
@@ -128,22 +129,29 @@ def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[st
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=dtype).to(device)
 
-    n, n_build = 256, max(1, min(256, _CALIBRATION_BYTES // (d * k * itemsize)))
-    chunks = projectors.projector_chunks(d, block, max(block, _CALIBRATION_BYTES // (2 * n * itemsize)))
-    chunk = max(chunks, key=lambda c: sum(p.entries for p in c))
+    n = max(1, min(256, _CALIBRATION_BYTES // (d * k * itemsize)))
+    pieces = projectors.projector_pieces(d, block, max(block, _CALIBRATION_BYTES // (2 * n * itemsize)))
+    chunk = (next((p for p in pieces if p.weight == 2.0), pieces[0]),)  # a block row's right part, the bulk of L
     entries = sum(p.entries for p in chunk)
     t = 32
     s = max(1, min(t, projectors.GRAM_TILE_BYTES // projectors.tile_bytes("gram", 1, t, k, k, itemsize)))
-    stacked, heads, vectors = projectors.build(randn(t, d, k)), randn(n_build, d, k), randn(n, entries)
+    stacked, heads = projectors.build(randn(t, d, k)), randn(n, d, k)
+    buffer = torch.empty(n * entries, dtype=dtype, device=device)
+    pieces = projectors.build_chunk(heads, chunk, buffer)
     out = torch.zeros(n, n, dtype=dtype, device=device)
+
+    def tile():
+        for v in pieces:
+            out.addmm_(v, v.T)
+
     seconds = {
         "gram": _best_seconds(lambda: projectors.tile(stacked, stacked, slice(0, s), slice(0, t), k, k), device),
-        "projector_build": _best_seconds(lambda: projectors.build_chunk(heads, chunk), device),
-        "projector_tile": _best_seconds(lambda: out.addmm_(vectors, vectors.T), device),
+        "projector_build": _best_seconds(lambda: projectors.build_chunk(heads, chunk, buffer), device),
+        "projector_tile": _best_seconds(tile, device),
     }
     flops = {
         "gram": s * t * projectors.tile_flops("gram", d, k, k, block),
-        "projector_build": 2.0 * k * n_build * entries,
+        "projector_build": 2.0 * k * n * entries,
         "projector_tile": 2.0 * n * n * entries,
     }
     return {kernel: flops[kernel] / seconds[kernel] for kernel in KERNELS}

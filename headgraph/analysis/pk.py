@@ -395,15 +395,19 @@ def _gram_pass(bases, plan: PKPlan, outputs: list[torch.Tensor], advance) -> Non
 
 
 def _projector_pass(bases, plan: PKPlan, outputs: list[torch.Tensor], advance) -> None:
-    """Each chunk of every head's projector built once, then every tile's share of the chunk added."""
+    """Each chunk of every head's projector built once (into one buffer per set, reused), then every tile's
+    share of the chunk added, one GEMM per piece."""
+    widest = max(sum(p.entries for p in chunk) for chunk in plan.chunks)
+    buffers = {name: torch.empty(heads.shape[0] * widest, dtype=heads.dtype, device=heads.device)
+               for name, heads in bases.items()}
     for chunk in plan.chunks:
-        vectors = {name: projectors.build_chunk(heads, chunk) for name, heads in bases.items()}
+        pieces = {name: projectors.build_chunk(heads, chunk, buffers[name]) for name, heads in bases.items()}
         for tile in plan.tiles:
             product = plan.products[tile.product]
             (r0, r1), (c0, c1) = tile.rows, tile.cols
-            outputs[tile.product][r0:r1, c0:c1].addmm_(vectors[product.left][r0:r1], vectors[product.right][c0:c1].T,
-                                                       alpha=chunk[0].weight)
-        del vectors
+            out = outputs[tile.product][r0:r1, c0:c1]
+            for left, right, piece in zip(pieces[product.left], pieces[product.right], chunk):
+                out.addmm_(left[r0:r1], right[c0:c1].T, alpha=piece.weight)
         if advance is not None:
             advance(1)
 

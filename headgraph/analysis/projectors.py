@@ -60,12 +60,11 @@ def projector_pieces(d: int, block: int, max_entries: int | None = None) -> list
 
 
 def projector_chunks(d: int, block: int, max_entries: int) -> list[tuple[Piece, ...]]:
-    """Consecutive pieces of the same weight grouped into chunks of at most `max_entries` entries (a piece is
-    never wider than one chunk)."""
+    """Consecutive pieces grouped into chunks of at most `max_entries` entries (a piece is never wider than one
+    chunk)."""
     chunks, current = [], []
     for piece in projector_pieces(d, block, max_entries):
-        if current and (sum(p.entries for p in current) + piece.entries > max_entries
-                        or current[0].weight != piece.weight):
+        if current and sum(p.entries for p in current) + piece.entries > max_entries:
             chunks.append(tuple(current))
             current = []
         current.append(piece)
@@ -98,15 +97,20 @@ def build(bases: torch.Tensor) -> list[torch.Tensor]:
     return [bases.transpose(1, 2).reshape(g * k, d)]
 
 
-def build_chunk(bases: torch.Tensor, chunk: tuple[Piece, ...]) -> torch.Tensor:
-    """[n_heads, entries] of one chunk of every head's projector (weights not applied: the tile applies them)."""
+def build_chunk(bases: torch.Tensor, chunk: tuple[Piece, ...], buffer: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
+    """One chunk of every head's projector, one [n_heads, entries] matrix per piece (weights not applied: the
+    tile applies them), written by one batched GEMM each into `buffer` (at least n_heads * the chunk's entries
+    elements, reused across chunks so that no chunk faults in fresh memory) or a new one."""
     n = bases.shape[0]
-    out = torch.empty(n, sum(p.entries for p in chunk), dtype=bases.dtype, device=bases.device)
-    offset = 0
+    size = n * sum(p.entries for p in chunk)
+    buffer = torch.empty(size, dtype=bases.dtype, device=bases.device) if buffer is None else buffer
+    out, offset = [], 0
     for p in chunk:
-        product = torch.bmm(bases[:, p.r0:p.r1], bases[:, p.c0:p.c1].transpose(1, 2))
-        out[:, offset:offset + p.entries] = product.view(n, -1)
-        offset += p.entries
+        piece = buffer[offset:offset + n * p.entries].view(n, p.r1 - p.r0, p.c1 - p.c0)
+        torch.bmm(bases[:, p.r0:p.r1], bases[:, p.c0:p.c1].transpose(1, 2), out=piece)
+        out.append(piece.view(n, p.entries))
+        offset += n * p.entries
     return out
 
 
