@@ -38,7 +38,8 @@ def top_k_by_pk(pairs: pd.DataFrame, k: int) -> pd.DataFrame:
 
 @pytest.fixture
 def run(induction_run):
-    """The session's analysis of induction-2l through the API (conftest): roles, causal effects, its report."""
+    """The session's analysis of induction-2l through the API (conftest): roles, causal effects, its report.
+    Its readers are marked slow: that one analysis takes 20-50 s."""
     return induction_run
 
 
@@ -72,6 +73,7 @@ def test_pk_is_identical_from_the_folder_the_loaded_model_and_a_bridge(pk_only, 
     assert lm_head_model.config._attn_implementation == "sdpa" and not bridge.compatibility_mode
 
 
+@pytest.mark.slow
 def test_a_model_without_its_tokenizer_needs_tokenizer(pk_only, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
@@ -95,6 +97,7 @@ def test_a_decoder_base_model_with_an_untied_head_is_refused(tmp_path):
         headgraph.analyze(base, out=tmp_path / "run", **PK_ONLY)
 
 
+@pytest.mark.slow
 def test_the_graph_holds_exactly_the_selected_edges_with_every_property(run):
     expected = top_k_by_pk(run.pairs, TOP_K)
     graph = run.graph
@@ -110,6 +113,7 @@ def test_the_graph_holds_exactly_the_selected_edges_with_every_property(run):
     assert graph.nodes["L0H2"]["out_degree"] == int((expected["source"] == "L0H2").sum())
 
 
+@pytest.mark.slow
 def test_causal_effects_reach_the_edges_and_single_out_the_circuit(run):
     assert run.record.causal is not None and "skipped" not in run.record.causal
     ok = run.pairs[(run.pairs["source_type"] == "O") & (run.pairs["target_type"] == "K")]
@@ -121,6 +125,7 @@ def test_causal_effects_reach_the_edges_and_single_out_the_circuit(run):
     assert all("effect_loss" in run.graph.edges[s, t, "OK"] for s, t in zip(strongest["source"], strongest["target"]))
 
 
+@pytest.mark.slow
 def test_load_run_of_a_saved_run_equals_the_original(run, tmp_path):
     again = headgraph.load_run(run.path)
     assert again.record == run.record
@@ -146,6 +151,7 @@ def test_a_selection_headgraph_did_not_write_is_refused():
         SelectionPolicy.parse("pk >= 3, then top 5 per type by PK")
 
 
+@pytest.mark.slow
 def test_select_reselects_without_recomputing(run, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("select() must not load a model or compute PK")
@@ -161,6 +167,7 @@ def test_select_reselects_without_recomputing(run, monkeypatch):
     assert (strict.edges["q_model"] <= 0.05).all() and len(strict.edges) == int((run.pairs["q_model"] <= 0.05).sum())
 
 
+@pytest.mark.slow
 def test_hubs_rank_heads_by_degree_in_the_selection(run):
     degree = pd.concat([run.edges["source"], run.edges["target"]]).value_counts()
     hubs = run.hubs(3)
@@ -170,6 +177,7 @@ def test_hubs_rank_heads_by_degree_in_the_selection(run):
 
 
 @pytest.mark.parametrize("name", FIGURES)
+@pytest.mark.slow
 def test_plot_returns_the_figure_the_report_drew(run, name):
     fig = run.plot(name)
     assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
@@ -178,6 +186,7 @@ def test_plot_returns_the_figure_the_report_drew(run, name):
     assert drawn.getvalue() == (run.path / f"fig_{name}.png").read_bytes()
 
 
+@pytest.mark.slow
 def test_plot_names_its_choices_and_the_missing_data(run, pk_only):
     with pytest.raises(UsageError, match="unknown figure 'kl'.*pk_distributions, kl_heatmap"):
         run.plot("kl")
@@ -185,6 +194,7 @@ def test_plot_names_its_choices_and_the_missing_data(run, pk_only):
         pk_only.plot("causal")
 
 
+@pytest.mark.slow
 def test_repr_html_shows_model_id_and_top_hubs(run):
     text = run._repr_html_()
     degree = pd.concat([run.edges["source"], run.edges["target"]]).value_counts()
@@ -193,6 +203,7 @@ def test_repr_html_shows_model_id_and_top_hubs(run):
     assert len(text) < 4000 and "causal effects computed" in text
 
 
+@pytest.mark.slow
 def test_to_store_and_load_run_by_id_round_trip(run, tmp_path):
     db = tmp_path / "graph.lbdb"
     assert "LadybugDB" in run.to_store(db)

@@ -174,6 +174,7 @@ def _run_block(driver, block: str, params: dict) -> list[dict]:
     return [r.data() for r in driver.execute_query(block, params, database_="neo4j").records]
 
 
+@pytest.mark.slow
 def test_the_guide_picks_the_newest_complete_run(analyzed_run):
     driver = analyzed_run[0]
     picked = _run_block(driver, guide_blocks()["pick-run"], {})["run"]
@@ -183,6 +184,7 @@ def test_the_guide_picks_the_newest_complete_run(analyzed_run):
     assert picked == max(complete, key=lambda r: r["created"])["id"]
 
 
+@pytest.mark.slow
 def test_the_guide_queries_find_the_planted_structure_of_the_analyzed_run(analyzed_run):
     driver, run_id, truth, graph = analyzed_run
     blocks, hub = guide_blocks(), truth.hub

@@ -31,6 +31,8 @@ from headgraph.neo4j_local.server import (
 )
 from headgraph.runs import load_run
 
+pytestmark = pytest.mark.slow  # every test reads the session's full analysis of the planted model (conftest), 10-30 s to make
+
 
 @pytest.fixture
 def run_dir(planted_analysis):

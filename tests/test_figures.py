@@ -89,6 +89,7 @@ def test_kl_heatmap_greys_uncomputed_cells_and_annotates_values(run):
     assert "n/c" in texts
 
 
+@pytest.mark.slow
 def test_reference_distribution_has_the_exact_moments():
     d, k = 768, 64
     mean = k * k / d

@@ -423,6 +423,7 @@ def assert_held(code, out, err):
     ],
     ids=["lpad", "range", "list-function", "result-rows"],
 )
+@pytest.mark.slow
 def test_an_embedded_read_cannot_grow_the_process_past_its_bound(tmp_path, lbdb, statement):
     code, out, err, peak = run_measured(["cypher", statement, "--db", lbdb, "--format", "csv"], tmp_path)
     assert_held(code, out, err)

@@ -11,8 +11,11 @@ from scipy import stats
 from headgraph.analysis.reference import (beta_log_sf, beta_parameters, histogram_edges, isotropic_log10_p,
                                           isotropic_moments, isotropic_z, kl_divergence, sample_isotropic_pk)
 
-SHAPES = [(64, 16, 16), (64, 16, 8), (20, 12, 15), (30, 20, 25), pytest.param(384, 32, 32, marks=pytest.mark.slow),
-          (10, 10, 3)]
+SHAPES = [(64, 16, 16), (64, 16, 8), (20, 12, 15), (30, 20, 25), (384, 32, 32), (10, 10, 3)]
+SLOW_CASES = {("wishart", 30, 20, 25), ("wishart", 384, 32, 32)}  # 6-12 s each
+MOMENT_CASES = [pytest.param(method, *shape, id=f"{'-'.join(map(str, shape))}-{method}",
+                             marks=pytest.mark.slow if (method, *shape) in SLOW_CASES else ())
+                for shape in SHAPES for method in ("jacobi", "wishart")]
 
 
 def qr_pk_samples(d, k, k_prime, n, seed):
@@ -23,8 +26,7 @@ def qr_pk_samples(d, k, k_prime, n, seed):
     return np.square(a.transpose(0, 2, 1) @ b).sum(axis=(1, 2))
 
 
-@pytest.mark.parametrize("method", ["jacobi", "wishart"])
-@pytest.mark.parametrize("d,k,k_prime", SHAPES)
+@pytest.mark.parametrize("method, d, k, k_prime", MOMENT_CASES)
 def test_sampled_moments_within_three_standard_errors(method, d, k, k_prime):
     n = 100_000 if method == "jacobi" else 20_000
     samples = sample_isotropic_pk(d, k, k_prime, n, seed=1, method=method)

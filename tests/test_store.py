@@ -89,6 +89,7 @@ def test_round_trip_stores_the_top_k_edges_of_each_type(store, tables):
     assert (row["status"], row["heads"], row["edges"], row["policy"]) == ("complete", 24, 21, "top 7 per type by PK")
 
 
+@pytest.mark.slow
 def test_hubs_and_networkx_put_the_planted_hub_first(store, planted_analysis):
     result, truth = load_run(planted_analysis.folder), planted_analysis.truth  # the session's analysis (conftest)
     run_id = new_run_id()

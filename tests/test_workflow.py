@@ -18,10 +18,11 @@ from _fast import FAST, FLAGS
 @pytest.fixture
 def analyzed(planted_analysis):
     """The session's `headgraph analyze --json` of the planted model into a LadybugDB store (conftest):
-    (truth, store, run folder, summary)."""
+    (truth, store, run folder, summary). Its readers are marked slow: that one analysis takes 10-30 s."""
     return planted_analysis.truth, planted_analysis.db, planted_analysis.folder, planted_analysis.summary
 
 
+@pytest.mark.slow
 def test_summary_puts_the_planted_hub_first(analyzed):
     truth, _, out, summary = analyzed
     assert summary["hubs"][0]["head"] == truth.hub
@@ -29,6 +30,7 @@ def test_summary_puts_the_planted_hub_first(analyzed):
     assert summary["folder"] == str(out)
 
 
+@pytest.mark.slow
 def test_the_summary_says_where_the_time_went(analyzed):
     *_, summary = analyzed
     steps = ["load", "causal_inputs", "pk_and_significance", "roles", "causal_local", "selection_and_centrality",
@@ -45,6 +47,7 @@ def _clear_refs_writable() -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_run_json_records_each_stage_before_the_run_folder_with_its_peak_memory(analyzed):
     *_, out, summary = analyzed
     run = json.loads((out / "run.json").read_text())
@@ -128,6 +131,7 @@ def test_without_clear_refs_a_stage_records_the_process_peak(monkeypatch):
     assert allocated >= BLOCK and allocated <= after <= process_peak  # no reset: the peak so far, never less
 
 
+@pytest.mark.slow
 def test_stored_graph_answers_the_hubs_query(analyzed):
     truth, db, _, summary = analyzed
     done = headgraph("query", "hubs", "--db", str(db), "--run", summary["run_id"], "--format", "json")
@@ -138,6 +142,7 @@ def test_stored_graph_answers_the_hubs_query(analyzed):
     assert {r["kind"] for r in rows if r["head"] == truth.hub and r["kind_out"] > 0} >= planted_out
 
 
+@pytest.mark.slow
 def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
     truth, db, out, summary = analyzed
     heads = pd.read_parquet(out / "heads.parquet").set_index("head")
@@ -149,6 +154,7 @@ def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
     assert [r["name"] for r in json.loads(done.stdout)] == sorted(truth.identity_heads)
 
 
+@pytest.mark.slow
 def test_report_and_figures_are_written(analyzed):
     truth, _, out, summary = analyzed
     for stem in ("pk_distributions", "kl_heatmap", "pk_vs_cs", "topk_graph", "roles", "hubs"):
