@@ -1,6 +1,9 @@
 """`headgraph doctor` reports the real environment: the Neo4j server behind the fixture, the offline model."""
 
+import pytest
 from _commands import headgraph
+
+pytestmark = pytest.mark.slow  # each test runs `headgraph doctor` (TransformerLens loaded, every family listed): 2-18 s
 
 
 def _doctor(*args, env=None):

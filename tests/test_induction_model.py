@@ -85,6 +85,7 @@ def test_checkpoint_before_the_phase_change_has_no_circuit_head():
     assert induction.max() < 0.5, induction
 
 
+@pytest.mark.slow
 def test_role_tests_flag_the_previous_token_head_and_the_induction_heads(final_model):
     previous, _ = circuit_attention(FINAL)
     heads, _ = compute_roles(final_model)

@@ -77,6 +77,7 @@ def test_status_reports_a_live_neo4j_5_26_process(local_neo4j):
     assert f"--home-dir={local_neo4j.home}".encode() in cmdline
 
 
+@pytest.mark.slow
 def test_start_when_running_is_a_no_op_that_exports_the_uri(local_neo4j):
     before = status(local_neo4j).pid
     shell = f'eval "$({REPO}/scripts/neo4j-local start --print-env)" && echo "$NEO4J_URI $NEO4J_USER"'
@@ -87,6 +88,7 @@ def test_start_when_running_is_a_no_op_that_exports_the_uri(local_neo4j):
     assert status(local_neo4j).pid == before
 
 
+@pytest.mark.slow
 def test_the_cli_status_names_uri_pid_and_version(local_neo4j):
     done = subprocess.run([sys.executable, "-m", "headgraph", "neo4j", "status"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

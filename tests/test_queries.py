@@ -246,6 +246,7 @@ def test_an_empty_store_has_no_latest_run(tmp_path):
         run_named(empty, "hubs")
 
 
+@pytest.mark.slow
 def test_query_command_formats(graphs, tmp_path):
     path = str(tmp_path / "cli.lbdb")
     with LadybugStore(path) as store:  # closed again: the CLI opens the file itself

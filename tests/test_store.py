@@ -132,6 +132,7 @@ class Crash(Exception):
     """Raised by the fault-injection hook half-way through a load."""
 
 
+@pytest.mark.slow
 def test_a_half_load_is_never_visible_and_the_next_load_cleans_it_up(store, tables):
     complete = new_run_id()
     load(store, graph_of(tables, complete))
@@ -207,6 +208,7 @@ def test_role_results_become_head_properties(store, tables):
     assert all("not a role" not in r for r in store.read("MATCH (h:Head) RETURN keys(h) AS k LIMIT 1").rows[0][0])
 
 
+@pytest.mark.slow
 def test_an_embedded_store_made_before_causal_effects_gains_their_columns(tmp_path, tables):
     """A store whose edge tables were created without the effect columns (headgraph before causal effects) takes
     a run with effects: its tables are altered, its earlier run keeps null effects."""

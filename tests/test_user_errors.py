@@ -54,6 +54,7 @@ QUERIES = sorted(p.stem for p in Path(query_files.__file__).parent.glob("*.cyphe
 
 
 @pytest.mark.parametrize("argv, code", [(["--version"], 0), (["query", "--list"], 0), (["analyze", "--bogus"], 2)])
+@pytest.mark.slow
 def test_the_console_entry_point_exits_with_the_code_its_output_whole_and_its_atexit_handlers_run(argv, code,
                                                                                                   tmp_path):
     marker = tmp_path / "atexit"

@@ -89,6 +89,7 @@ def _stages_context():
     return Context(AnalyzeOptions(), Console(stderr=True), Progress(disable=True))
 
 
+@pytest.mark.slow
 def test_each_stage_records_its_own_peak_and_a_nested_stage_counts_in_its_parent():
     from headgraph.stages import peak_rss_method, run_stages, runs_if
 
