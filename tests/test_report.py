@@ -20,6 +20,8 @@ from headgraph.report.report import (findings_warnings, render_report, report_bl
                                      to_markdown)
 from headgraph.runs import RunRecord, load_run, resolve_run_dir
 
+pytestmark = pytest.mark.slow  # nearly every test reads a rendered report (its figures: 9 s of CPU) or renders one: 12-50 s at load 4-10
+
 TOP_K = 5
 FIGURES = ("fig_pk_distributions", "fig_kl_heatmap", "fig_pk_vs_cs", "fig_topk_graph", "fig_roles", "fig_hubs")
 CLASSES = HeadClasses("test-classes", "written in this test", None,
