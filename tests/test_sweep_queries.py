@@ -15,6 +15,8 @@ from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.open_store import open_store
 from headgraph.queries.runner import run_named
 
+pytestmark = pytest.mark.slow  # its module store fixtures load a sweep's runs into both stores: 12-18 s, the pre-sweep store 6 s, at load ~4
+
 SESSION = f"swq-{uuid.uuid4().hex[:6]}"
 SWEEP, OTHER_SWEEP = f"{SESSION}-sweep", f"{SESSION}-other"
 STEPS = (100, 200, 300, 400, 500)
