@@ -102,6 +102,7 @@ def test_pk_with_different_widths_equals_scipy():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.slow
 def test_pk_equals_scipy_on_minilm_o_to_q(minilm_weights, dtype):
     src = orthonormal_bases(head_matrices(minilm_weights["O"], "O"), "O", dtype)
     tgt = orthonormal_bases(head_matrices(minilm_weights["Q"], "Q"), "Q", dtype)
@@ -132,6 +133,7 @@ def test_vectorised_projectors_give_trace_of_products():
 
 
 @pytest.mark.parametrize("formulation", ["gram", "projector", "auto"])
+@pytest.mark.slow
 def test_a_pass_over_all_16_types_equals_one_type_pair_at_a_time(gqa_bases, formulation):
     together, plan = type_pass(gqa_bases, TYPE_PAIRS, formulation)
     assert plan.built_heads == sum(s.flat().shape[0] for s in gqa_bases.values())  # each set built once
