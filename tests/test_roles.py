@@ -241,6 +241,7 @@ def test_the_same_simulation_flags_t_tests_repeated_at_every_look():
     assert (p < ALPHA).any(axis=0).mean() > binomial_ceiling(ALPHA, n_heads)
 
 
+@pytest.mark.slow
 def test_sequential_bh_keeps_the_false_discovery_rate_below_alpha_under_dependence():
     """Families of 20 heads that share each input's scale (positively dependent scores), 5 with a role: the
     mean share of false discoveries among the discoveries stays at most alpha, and a head settled significant
@@ -302,6 +303,7 @@ def minilm():
     return load_model("all-MiniLM-L6-v2", processing="raw", device="cpu")
 
 
+@pytest.mark.slow
 def test_planted_heads_get_exactly_their_roles(planted):
     model, truth, _ = planted
     heads, meta = R.compute_roles(model, n_inputs=20, seed=0, design="fixed")
@@ -315,6 +317,7 @@ def test_planted_heads_get_exactly_their_roles(planted):
     assert meta["correction"] == "bh" and "bh" in meta["test"]
 
 
+@pytest.mark.slow
 def test_sequential_design_recovers_the_planted_roles_on_fewer_inputs(planted):
     """The sequential design flags exactly the planted heads, as the fixed design does on all its inputs, and
     stops every input set before n_inputs."""
@@ -332,12 +335,14 @@ def test_sequential_design_recovers_the_planted_roles_on_fewer_inputs(planted):
     assert meta["design"] == "sequential" and meta["settled"]["identity"]["significant"] == 2
 
 
+@pytest.mark.slow
 def test_random_init_model_gets_roles_for_at_most_5_percent_of_heads(random_model):
     heads, meta = R.compute_roles(random_model, n_inputs=30, seed=1, alpha=0.05, correction="bh")
     any_role = heads[[f"{r}_sig" for r in meta["roles"]]].any(axis=1)
     assert any_role.mean() <= 0.05
 
 
+@pytest.mark.slow
 def test_identity_score_equals_self_attention_of_unpadded_runs(random_model):
     """Whole decoder path: IOI prompts -> padded batched patterns -> identity score, against one prompt at a time."""
     heads, _ = R.compute_roles(random_model, n_inputs=6, seed=2, batch_size=4)
@@ -372,6 +377,7 @@ def test_patterns_stop_the_forward_pass_after_the_last_layers_attention(random_m
     assert not any(hook.has_hooks() for hook in bridge.hook_dict.values())  # the stopped pass left no hook
 
 
+@pytest.mark.slow
 def test_bert_patterns_from_the_bridge_equal_eager_transformers(minilm):
     inputs = sentence_pair_inputs(minilm.tokenizer, 4, seed=0).batch(0, 4)
     patterns = capture_patterns(minilm.bridge, inputs)
@@ -384,6 +390,7 @@ def test_bert_patterns_from_the_bridge_equal_eager_transformers(minilm):
     assert torch.allclose(patterns * real[:, None, None, :, None], expected * real[:, None, None, :, None], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_minilm_encoder_roles(minilm):
     heads, meta = R.compute_roles(minilm, n_inputs=12, seed=0, design="fixed")
     assert meta["model_kind"] == "encoder" and len(heads) == 72
