@@ -456,6 +456,7 @@ def test_a_one_layer_model_has_no_pairs(tmp_path):
 
 # ---------- errors and documentation ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bad_arguments_are_named(synthetic_dir):
     model = loaded(synthetic_dir)
     inputs = repeated_token_inputs(model.tokenizer, 3, seed=0, length=4)
