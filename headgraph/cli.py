@@ -148,13 +148,16 @@ def analyze_options(command: Callable) -> Callable:
     @selection_options
     @click.option("--stability", is_flag=True,
                   help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
+    @click.option("--stream", is_flag=True,
+                  help="Read a folder's weights layer by layer for the PK stages instead of loading the model first.")
     @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
     @click.option("--no-report", is_flag=True, help="Skip the figures and report.")
     @store_options
     @functools.wraps(command)
     def wrapper(*args, out_dir, types, processing, device, dtype, seed, max_memory, full_matrix, null_heads,
                 reference_samples, roles, n_inputs, correction, role_design, causal, causal_n, causal_inputs,
-                causal_loss_edges, causal_loss_inputs, classes_name, policy, stability, no_store, no_report, store, **kwargs):
+                causal_loss_edges, causal_loss_inputs, classes_name, policy, stability, stream, no_store, no_report, store,
+                **kwargs):
         role_settings = ({"roles_n_inputs": n_inputs, "roles_correction": correction, "roles_design": role_design}
                          if roles else {})
         causal_settings = {"causal_n_inputs": causal_n, "causal_inputs_file": causal_inputs,
@@ -165,7 +168,7 @@ def analyze_options(command: Callable) -> Callable:
             types=types, roles=roles, causal=causal, store=None if no_store else store, out=out_dir,
             report=not no_report, processing=processing, device=device, dtype=dtype, seed=seed,
             max_memory=max_memory, full_matrix=full_matrix, null_heads=null_heads,
-            reference_samples=reference_samples, classes=classes_name, stability=stability,
+            reference_samples=reference_samples, classes=classes_name, stability=stability, stream=stream,
             **dataclasses.asdict(policy), **role_settings, **causal_settings)
         return command(*args, options=options, **kwargs)
 

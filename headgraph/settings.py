@@ -35,6 +35,7 @@ class AnalyzeOptions:
     report: bool = True
     sweep: str | None = None  # the sweep this run belongs to (headgraph.sweep sets it), recorded with its step
     step: int | None = None
+    stream: bool = False  # a folder's weights read layer by layer for the PK stages (headgraph.loader.stream)
 
 
 _NEO4J_SCHEMES = ("bolt://", "bolt+s://", "bolt+ssc://", "neo4j://", "neo4j+s://", "neo4j+ssc://")
@@ -59,7 +60,8 @@ def _names(cls, prefix: str = "", skip=()) -> dict[str, str]:
 
 
 _OPTION_GROUPS = {"pk": _names(PKOptions, skip=("types",)), "policy": _names(SelectionPolicy),
-                  "analyze": {"processing": "processing", "classes": "classes", "stability": "stability"},
+                  "analyze": {"processing": "processing", "classes": "classes", "stability": "stability",
+                              "stream": "stream"},
                   "roles": _names(RoleOptions, "roles_"), "causal": _names(CausalOptions, "causal_")}
 OPTIONS = tuple(name for group in _OPTION_GROUPS.values() for name in group)
 """Every flat name `analyze_options` takes: the fields of PKOptions, SelectionPolicy, `processing`, `classes`,

@@ -85,10 +85,11 @@ def load(ctx: Context) -> None:
     """The model in the processing asked, on the resolved device; the role tests' tokenizer checked before any
     PK work; the run's id and folder."""
     from headgraph.loader.models import load_model
+    from headgraph.loader.stream import open_model  # a folder's weights streamed to the PK, else load_model's
 
     task = ctx.progress.add_task(f"loading {ctx.model_name}", total=1)
-    ctx.model = load_model(ctx.source, processing=ctx.options.processing, device=ctx.options.pk.device,
-                           tokenizer=ctx.tokenizer)
+    ctx.model = (open_model if ctx.options.stream else load_model)(
+        ctx.source, processing=ctx.options.processing, device=ctx.options.pk.device, tokenizer=ctx.tokenizer)
     ctx.progress.advance(task)
     if ctx.options.roles:
         from headgraph.analysis.roles import check_tokenizer

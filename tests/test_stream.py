@@ -86,7 +86,7 @@ def analyze(source, out: Path, **settings):
     options = AnalyzeOptions(pk=PKOptions(types="all", null_heads=20, reference_samples=1000, device="cpu"),
                              roles=RoleOptions(n_inputs=8, design="fixed"), causal=CausalOptions(n_inputs=4, loss_inputs=2,
                                                                                                   n_boot=50),
-                             store=None, report=False, out_dir=str(out), **settings)
+                             store=None, report=False, out_dir=str(out), stream=True, **settings)
     return run_analyze(source, options, progress=False)
 
 
@@ -122,7 +122,8 @@ def _analyze_process(source: Path, out: Path, max_memory: str, in_memory: bool) 
             "src = sys.argv[1]\n"
             "model = load_model(src, device='cpu').bridge if sys.argv[3] == '1' else src\n"
             "run_analyze(model, AnalyzeOptions(pk=PKOptions(max_memory=int(sys.argv[4]), device='cpu', null_heads=20,"
-            " reference_samples=1000), roles=None, causal=None, store=None, report=False, out_dir=sys.argv[2]),"
+            " reference_samples=1000), roles=None, causal=None, store=None, report=False, out_dir=sys.argv[2],"
+            " stream=True),"
             " progress=False)\n")
     subprocess.run([sys.executable, "-c", code, str(source), str(out), "1" if in_memory else "0", max_memory],
                    check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
@@ -188,7 +189,7 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
 def test_a_damaged_checkpoint_is_one_line_and_stores_nothing(checkpoints, tmp_path, capsys, how, says):
     folder = _damaged(checkpoints, tmp_path, how)
     db, out = tmp_path / "graph.lbdb", tmp_path / "run"
-    code, _, err = run_cli(["analyze", str(folder), "--db", str(db), "--out", str(out), "--no-roles", "--no-causal",
+    code, _, err = run_cli(["analyze", str(folder), "--stream", "--db", str(db), "--out", str(out), "--no-roles", "--no-causal",
                             "--no-report"], capsys)
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and says in err and "Traceback" not in err, err
