@@ -90,6 +90,7 @@ def analyze(source, out: Path, **settings):
     return run_analyze(source, options, progress=False)
 
 
+@pytest.mark.slow
 def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
     """The folder (streamed to the PK, then loaded for roles and effects) against the same model passed in loaded."""
     folder = checkpoints["llama"]
@@ -130,6 +131,7 @@ def _analyze_process(source: Path, out: Path, max_memory: str, in_memory: bool) 
     return json.loads((out / "run.json").read_text())
 
 
+@pytest.mark.slow
 def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
     """A Llama whose MLP and vocabulary dwarf its attention (about 190 MB of float32 weights, 3 MB of bases): the
     streamed PK stage grows the process by less than --max-memory plus one layer's weights; given the loaded
