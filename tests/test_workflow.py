@@ -14,6 +14,8 @@ import pytest
 from _commands import headgraph
 from _fast import FAST, FLAGS
 
+pytestmark = pytest.mark.slow  # real analyses (the shared one: 10-30 s), processes, 256 MiB written per stage test
+
 
 @pytest.fixture
 def analyzed(planted_analysis):
@@ -22,7 +24,6 @@ def analyzed(planted_analysis):
     return planted_analysis.truth, planted_analysis.db, planted_analysis.folder, planted_analysis.summary
 
 
-@pytest.mark.slow
 def test_summary_puts_the_planted_hub_first(analyzed):
     truth, _, out, summary = analyzed
     assert summary["hubs"][0]["head"] == truth.hub
@@ -30,7 +31,6 @@ def test_summary_puts_the_planted_hub_first(analyzed):
     assert summary["folder"] == str(out)
 
 
-@pytest.mark.slow
 def test_the_summary_says_where_the_time_went(analyzed):
     *_, summary = analyzed
     steps = ["load", "causal_inputs", "pk_and_significance", "roles", "causal_local", "selection_and_centrality",
@@ -47,7 +47,6 @@ def _clear_refs_writable() -> bool:
     return True
 
 
-@pytest.mark.slow
 def test_run_json_records_each_stage_before_the_run_folder_with_its_peak_memory(analyzed):
     *_, out, summary = analyzed
     run = json.loads((out / "run.json").read_text())
@@ -89,7 +88,6 @@ def _stages_context():
     return Context(AnalyzeOptions(), Console(stderr=True), Progress(disable=True))
 
 
-@pytest.mark.slow
 def test_each_stage_records_its_own_peak_and_a_nested_stage_counts_in_its_parent():
     from headgraph.stages import peak_rss_method, run_stages, runs_if
 
@@ -132,7 +130,6 @@ def test_without_clear_refs_a_stage_records_the_process_peak(monkeypatch):
     assert allocated >= BLOCK and allocated <= after <= process_peak  # no reset: the peak so far, never less
 
 
-@pytest.mark.slow
 def test_stored_graph_answers_the_hubs_query(analyzed):
     truth, db, _, summary = analyzed
     done = headgraph("query", "hubs", "--db", str(db), "--run", summary["run_id"], "--format", "json")
@@ -143,7 +140,6 @@ def test_stored_graph_answers_the_hubs_query(analyzed):
     assert {r["kind"] for r in rows if r["head"] == truth.hub and r["kind_out"] > 0} >= planted_out
 
 
-@pytest.mark.slow
 def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
     truth, db, out, summary = analyzed
     heads = pd.read_parquet(out / "heads.parquet").set_index("head")
@@ -155,7 +151,6 @@ def test_planted_roles_reach_the_artifacts_and_the_store(analyzed):
     assert [r["name"] for r in json.loads(done.stdout)] == sorted(truth.identity_heads)
 
 
-@pytest.mark.slow
 def test_report_and_figures_are_written(analyzed):
     truth, _, out, summary = analyzed
     for stem in ("pk_distributions", "kl_heatmap", "pk_vs_cs", "topk_graph", "roles", "hubs"):
@@ -213,7 +208,6 @@ def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path)
     assert not (tmp_path / "none.lbdb").exists()
 
 
-@pytest.mark.slow
 def test_selection_centrality_and_device_resolution_happen_once_per_analyze(planted, tmp_path, monkeypatch):
     """Every module's binding of select_edges and head_centrality is counted: a second selection anywhere in
     analyze (summary, report, store) would show."""
