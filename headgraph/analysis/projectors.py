@@ -15,7 +15,6 @@ Both hold for any d x k matrices, not only orthonormal ones (||A^T B||_F^2 = <A 
 Composition Score uses. Nothing here loops over heads or pairs; same code on CUDA and CPU.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
