@@ -1,14 +1,23 @@
-"""Shared fixtures. Each helper's fixtures live in their own delimited section; add yours below the others."""
+"""Shared fixtures. Each helper's fixtures live in their own delimited section; add yours below the others (their
+imports go in the one block here)."""
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from headgraph.testing.planted import PlantedTruth, PlantSpec, save_planted
+from headgraph.testing.synthetic import save_synthetic
 
 # ---- Neo4j fixtures (helper "neo4j"): one real server per session, never mocked, never skipped ----
 # Where the server comes from, in order: NEO4J_URI (+ NEO4J_USER, default neo4j; NEO4J_PASSWORD, default
 # headgraph) -- CI and local runs use `eval "$(scripts/neo4j-local start --print-env)"`; else a testcontainers
 # neo4j:5.26-community when a Docker engine answers; else the test fails, naming the script that starts one.
 # Tests share the server: keep what you write under a unique run id (fixture `neo4j_run_id`).
-import os as _neo4j_os
-import uuid as _neo4j_uuid
-
-import pytest as _neo4j_pytest
 
 NEO4J_TEST_IMAGE = "neo4j:5.26-community"
 
@@ -23,10 +32,10 @@ def _docker_engine_answers() -> bool:
     return True
 
 
-@_neo4j_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def neo4j_config():
     """{"uri", "user", "password"} of a real Neo4j server for this test session."""
-    env = _neo4j_os.environ
+    env = os.environ
     if env.get("NEO4J_URI"):
         yield {"uri": env["NEO4J_URI"], "user": env.get("NEO4J_USER", "neo4j"),
                "password": env.get("NEO4J_PASSWORD", "headgraph")}
@@ -39,14 +48,14 @@ def neo4j_config():
         with Neo4jContainer(NEO4J_TEST_IMAGE, password="headgraph-tests") as container:
             yield {"uri": container.get_connection_url(), "user": "neo4j", "password": container.password}
         return
-    _neo4j_pytest.fail(
+    pytest.fail(
         "no Neo4j for the tests: NEO4J_URI is unset and no Docker engine answers; start the local server with "
         '`eval "$(scripts/neo4j-local start --print-env)"` and rerun',
         pytrace=False,
     )
 
 
-@_neo4j_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def neo4j_driver(neo4j_config):
     """A neo4j.Driver to the session's server, connectivity and credentials verified."""
     import neo4j
@@ -57,7 +66,7 @@ def neo4j_driver(neo4j_config):
     driver.close()
 
 
-@_neo4j_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def local_neo4j():
     """The scripts/neo4j-local server (headgraph.neo4j_local.LocalServer), with Browser and its style/guide server;
     started here, and stopped at the end, only when it was not already running."""
@@ -72,10 +81,10 @@ def local_neo4j():
         stop(server, log=lambda message: None)
 
 
-@_neo4j_pytest.fixture
+@pytest.fixture
 def neo4j_run_id(neo4j_driver):
     """A unique run id for one test; afterwards every node with that `run_id` (and a Run with that `id`) is removed."""
-    run_id = f"test-{_neo4j_uuid.uuid4().hex[:12]}"
+    run_id = f"test-{uuid.uuid4().hex[:12]}"
     yield run_id
     neo4j_driver.execute_query(
         "MATCH (n) WHERE n.run_id = $run OR (n:Run AND n.id = $run) DETACH DELETE n", run=run_id, database_="neo4j"
@@ -83,42 +92,32 @@ def neo4j_run_id(neo4j_driver):
 # ---- end Neo4j fixtures ----
 
 # ---- loader fixtures (helper "loader"): tiny synthetic and planted models saved as local HF folders ----
-import pytest as _loader_pytest
 
-from headgraph.testing.planted import PlantSpec as _PlantSpec
-from headgraph.testing.planted import save_planted as _save_planted
-from headgraph.testing.synthetic import save_synthetic as _save_synthetic
-
-
-@_loader_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory):
     """A random-init GPT-2-architecture folder: 2 layers x 4 heads, d_model 64, d_head 16, n_ctx 128."""
-    return _save_synthetic(tmp_path_factory.mktemp("synthetic") / "gpt2-tiny", seed=0)
+    return save_synthetic(tmp_path_factory.mktemp("synthetic") / "gpt2-tiny", seed=0)
 
 
-@_loader_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def planted(tmp_path_factory):
     """(folder, truth) of the default planted model: 3 layers x 4 heads, hub L0H2, identity L0H0/L1H3, prev L0H1."""
-    return _save_planted(tmp_path_factory.mktemp("planted") / "gpt2-planted", _PlantSpec())
+    return save_planted(tmp_path_factory.mktemp("planted") / "gpt2-planted", PlantSpec())
 # ---- end loader fixtures ----
 
-
 # ---- browser fixtures (helpers "neo4j-browser" and "view"): headless Debian Chromium through Selenium ----
-import shutil as _browser_shutil
-
-import pytest as _browser_pytest
 
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1600,1000")  # fmt: skip
 
 
-@_browser_pytest.fixture
+@pytest.fixture
 def chromium(tmp_path):
     """Headless Debian Chromium through Selenium and /usr/bin/chromedriver (never a downloaded browser)."""
-    binary, driver_binary = _browser_shutil.which("chromium"), _browser_shutil.which("chromedriver")
+    binary, driver_binary = shutil.which("chromium"), shutil.which("chromedriver")
     if not (binary and driver_binary):
-        _browser_pytest.fail("headless Chromium is missing: apt-get install -y chromium chromium-driver", pytrace=False)
+        pytest.fail("headless Chromium is missing: apt-get install -y chromium chromium-driver", pytrace=False)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -132,29 +131,23 @@ def chromium(tmp_path):
 # ---- end browser fixtures ----
 
 # ---- PK calibration (helper "pk"): the tests never read or write the user's calibration cache ----
-import os as _pk_os
 
-import pytest as _pk_pytest
-
-
-@_pk_pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _pk_calibration_cache(tmp_path_factory):
     """HEADGRAPH_CACHE_DIR points at a session folder (subprocesses inherit it), so kernel rates are measured
     once per session there, not read from or written to ~/.cache/headgraph."""
-    previous = _pk_os.environ.get("HEADGRAPH_CACHE_DIR")
-    _pk_os.environ["HEADGRAPH_CACHE_DIR"] = str(tmp_path_factory.mktemp("headgraph-cache"))
+    previous = os.environ.get("HEADGRAPH_CACHE_DIR")
+    os.environ["HEADGRAPH_CACHE_DIR"] = str(tmp_path_factory.mktemp("headgraph-cache"))
     yield
     if previous is None:
-        _pk_os.environ.pop("HEADGRAPH_CACHE_DIR")
+        os.environ.pop("HEADGRAPH_CACHE_DIR")
     else:
-        _pk_os.environ["HEADGRAPH_CACHE_DIR"] = previous
+        os.environ["HEADGRAPH_CACHE_DIR"] = previous
 # ---- end PK calibration ----
 
 # ---- family fixtures (helper "families"): one tiny random-init checkpoint of every model family ----
-import pytest as _families_pytest
 
-
-@_families_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     """{family: folder} of every family of headgraph.testing.families.FAMILIES, built once per session."""
     from headgraph.testing.families import FAMILIES, save_family
@@ -163,34 +156,27 @@ def family_dirs(tmp_path_factory):
     return {name: save_family(name, root / name) for name in FAMILIES}
 # ---- end family fixtures ----
 
-# ---- shared analyses (helper "suite"): one full analyze of the planted model and one of induction-2l per session ----
+# ---- shared analyses (helper "suite"): the planted model and induction-2l, each analysed once per session ----
 # Every test that only reads an analysis's results reads these; a test that needs other settings, or that watches
 # an analysis run, keeps its own. Settings: tests/_fast.py.
-import json as _shared_json
-from dataclasses import dataclass as _shared_dataclass
-from pathlib import Path as _SharedPath
-
-import pytest as _shared_pytest
-
-from headgraph.testing.planted import PlantedTruth as _PlantedTruth
 
 SHARED_TOP_K = 5  # the selection of both shared analyses: the top 5 per type by PK
 
 
-@_shared_dataclass(frozen=True)
+@dataclass(frozen=True)
 class PlantedAnalysis:
     """`headgraph analyze --json` of the planted model (fixture `planted`) in its own process, every stage (PK,
     roles, causal effects, report) and stored in its own LadybugDB: the planted truth, the run folder, the
     store and the printed summary."""
 
-    truth: _PlantedTruth
-    folder: _SharedPath
-    db: _SharedPath
+    truth: PlantedTruth
+    folder: Path
+    db: Path
     summary: dict
     top_k: int = SHARED_TOP_K
 
 
-@_shared_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def planted_analysis(planted, tmp_path_factory):
     """The session's one full analysis of the planted model (PlantedAnalysis)."""
     from _commands import headgraph
@@ -202,10 +188,10 @@ def planted_analysis(planted, tmp_path_factory):
     done = headgraph("analyze", str(model), "--db", str(db), "--out", str(out), "--json", "--top-k",
                      str(SHARED_TOP_K), *FLAGS)
     assert done.returncode == 0, done.stderr
-    return PlantedAnalysis(truth, out, db, _shared_json.loads(done.stdout))
+    return PlantedAnalysis(truth, out, db, json.loads(done.stdout))
 
 
-@_shared_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def induction_run(tmp_path_factory):
     """The session's one full analysis of the shipped induction-2l through the Python API (a headgraph.Run):
     every stage and its report, on the CPU, nothing stored."""
