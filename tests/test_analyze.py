@@ -19,7 +19,9 @@ from headgraph.loader.models import load_model
 from headgraph.pipeline import compute_pk
 from headgraph.runs import load_run, write_run
 
-FAST = {"reference_samples": 20_000, "null_heads": 120, "progress": False}
+# Its own settings, not tests/_fast.py's: these tests judge significance (q_model of planted and random pairs),
+# so the null is 120 heads per type (14,400 null pairs) rather than 20, and the reference 20,000 samples.
+SIGNIFICANCE = {"reference_samples": 20_000, "null_heads": 120, "progress": False}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def planted_model(planted):
 
 @pytest.fixture(scope="module")
 def planted_run(planted_model):
-    return compute_pk(planted_model, seed=1, **FAST)
+    return compute_pk(planted_model, seed=1, **SIGNIFICANCE)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_planted_edges_rank_on_top_and_are_significant(planted_run, planted):
 
 
 def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
-    result = compute_pk(random_model, types="all", **FAST)
+    result = compute_pk(random_model, types="all", **SIGNIFICANCE)
     assert len(result.pairs) == 16 * 16  # 16 type pairs x (1 layer pair x 4 x 4 heads)
     engine = result.run.engine
     assert engine["pass"]["built_heads"] == 4 * 8  # all 16 type pairs from four sets built once
@@ -93,17 +95,17 @@ def test_random_init_model_gives_at_most_five_percent_discoveries(random_model):
 
 
 def test_full_matrix_and_float64(random_model):
-    full = compute_pk(random_model, types=("OQ", "QQ"), full_matrix=True, dtype="float64", **FAST)
+    full = compute_pk(random_model, types=("OQ", "QQ"), full_matrix=True, dtype="float64", **SIGNIFICANCE)
     counts = (full.pairs.source_type + full.pairs.target_type).value_counts()
     assert counts["OQ"] == 8 * 8 and counts["QQ"] == 8 * 8 - 8  # a head's own Q subspace is left out
-    forward = compute_pk(random_model, types=("OQ",), **FAST).pairs
+    forward = compute_pk(random_model, types=("OQ",), **SIGNIFICANCE).pairs
     merged = forward.merge(full.pairs, on=["source", "target", "source_type", "target_type"])
     assert len(merged) == len(forward)
     np.testing.assert_allclose(merged.pk_x, merged.pk_y, atol=1e-5)
 
 
 def test_run_folder_round_trips_exactly_with_nulls(random_model, tmp_path):
-    result = compute_pk(random_model, types=("OQ", "QK"), **FAST)
+    result = compute_pk(random_model, types=("OQ", "QK"), **SIGNIFICANCE)
     result.run = dataclasses.replace(result.run, id="round-trip", out_dir=str(tmp_path / "run"), selection="top 20")
     folder = write_run(result, tmp_path / "run")
     back = load_run(folder)
@@ -118,7 +120,7 @@ def test_run_folder_round_trips_exactly_with_nulls(random_model, tmp_path):
 
 
 def test_run_folders_of_earlier_formats_load_and_a_newer_one_is_one_line(random_model, tmp_path):
-    result = compute_pk(random_model, types=("OQ",), **FAST)
+    result = compute_pk(random_model, types=("OQ",), **SIGNIFICANCE)
     folder = write_run(result, tmp_path / "run")
     written = json.loads((folder / "run.json").read_text())
     (folder / "run.json").write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))
@@ -173,9 +175,9 @@ def test_cuda_requested_without_cuda_is_a_clear_error(synthetic_dir, tmp_path, c
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_run_equals_the_cpu_run(planted_model):
-    cuda = compute_pk(planted_model, seed=1, device="cuda", types="all", **FAST)
+    cuda = compute_pk(planted_model, seed=1, device="cuda", types="all", **SIGNIFICANCE)
     assert cuda.run.device == "cuda" and cuda.run.engine["pass"]["calibration"]["key"].startswith("cuda:")
-    cpu = compute_pk(planted_model, seed=1, types="all", **FAST)
+    cpu = compute_pk(planted_model, seed=1, types="all", **SIGNIFICANCE)
     keys = ["source", "target", "source_type", "target_type"]
     merged = cpu.pairs.merge(cuda.pairs, on=keys, suffixes=("_cpu", "_cuda"))
     assert len(merged) == len(cpu.pairs) == len(cuda.pairs)
@@ -195,7 +197,7 @@ def gqa_model(tmp_path_factory):
 def test_grouped_query_keys_and_values_are_native_kv_heads(gqa_model):
     from transformer_lens.tools.analysis.projection_kernel import attention_head_subspace_affinity
 
-    result = compute_pk(gqa_model, types=("OQ", "OK", "OV"), **FAST)
+    result = compute_pk(gqa_model, types=("OQ", "OK", "OV"), **SIGNIFICANCE)
     pairs = result.pairs
     counts = (pairs.source_type + pairs.target_type).value_counts()
     assert counts["OQ"] == 4 * 4 and counts["OK"] == 4 * 2 and counts["OV"] == 4 * 2
