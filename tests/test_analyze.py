@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from _cli import run_cli
+from _fast import PK, flags
 
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
 from headgraph.errors import UsageError
@@ -145,7 +145,7 @@ def test_run_folders_of_earlier_formats_load_and_a_newer_one_is_one_line(random_
 
 def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_path, capsys):
     code, out, _ = run_cli(["analyze", str(synthetic_dir), "--out", str(tmp_path / "r"), "--types", "oq,ok",
-                            "--null-heads", "50", "--reference-samples", "5000", "--max-memory", "64MiB",
+                            *flags(PK), "--max-memory", "64MiB",
                             "--no-roles", "--no-causal", "--no-store", "--no-report"], capsys)
     assert code == 0
     assert {p.name for p in (tmp_path / "r").iterdir()} == {"run.json", "pairs.parquet", "heads.parquet"}

@@ -376,8 +376,8 @@ def test_a_rerun_into_the_same_folder_keeps_nothing_of_the_earlier_run(synthetic
     ("9", "--causal-loss-inputs 9 is more than the 4 causal inputs of a set: give at most that many, or raise --causal-n"),
 ])
 def test_a_bad_causal_loss_inputs_is_one_line_and_stores_nothing(value, message, synthetic_dir, tmp_path, capsys):
-    code, _, err = run_cli(["analyze", str(synthetic_dir), "--null-heads", "20", "--reference-samples", "1000",
-                            "--no-roles", "--causal-n", "4", "--causal-loss-inputs", value, "--out",
-                            str(tmp_path / "run"), "--db", str(tmp_path / "store.lbdb")], capsys)
+    code, _, err = run_cli(["analyze", str(synthetic_dir), *flags(PK), "--no-roles", "--causal-n", "4",
+                            "--causal-loss-inputs", value, "--out", str(tmp_path / "run"), "--db",
+                            str(tmp_path / "store.lbdb")], capsys)
     assert code == 2 and one_line(err) == f"error: {message}"
     assert not (tmp_path / "store.lbdb").exists() and not (tmp_path / "run").exists()
