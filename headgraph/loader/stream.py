@@ -43,6 +43,7 @@ class Shards:
     folder: Path
     files: dict[str, Path]
     dtypes: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors in float32, each shard opened once and closed after (its pages unmapped)."""
@@ -54,6 +55,15 @@ class Shards:
             with _opened(file) as f:
                 out.update({name: f.get_tensor(name).to(torch.float32) for name in wanted})
         return out
+
+    def check_finite(self, names: list[str]) -> None:
+        """BadWeights naming the first of `names` with a NaN or Inf, read one tensor at a time in its stored dtype."""
+        from headgraph.loader.models import all_finite
+
+        for name in names:
+            with _opened(self.files[name]) as f:
+                if not all_finite(f.get_tensor(name)):
+                    raise BadWeights(f"weights in '{self.folder}' contain NaN or Inf in {name}")
 
 
 @contextlib.contextmanager
@@ -89,12 +99,13 @@ def checkpoint_shards(folder: Path) -> Shards:
         shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise ModelUnavailable(f"folder '{folder}' has no *.safetensors weights")
-    files, dtypes = {}, {}
+    files, dtypes, shapes = {}, {}, {}
     for shard in shards:
         with _opened(shard) as f:
             for name in f.keys():
-                files[name], dtypes[name] = shard, f.get_slice(name).get_dtype()
-    return Shards(folder, files, dtypes)
+                piece = f.get_slice(name)
+                files[name], dtypes[name], shapes[name] = shard, piece.get_dtype(), tuple(piece.get_shape())
+    return Shards(folder, files, dtypes, shapes)
 
 
 def _meta_parameters(module: torch.nn.Module) -> None:
@@ -156,13 +167,17 @@ class StreamedModel:
 
     def head_layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """Each layer's {"W_Q": [H, d, k], "W_K", "W_V": [KV, d, k], "W_O": [H, k, d]} in float32, in the
-        processing asked, read from the shards one layer at a time; BadWeights for a missing or non-finite one."""
+        processing asked, read from the shards one layer at a time. Every tensor of the layer is checked as
+        load_model checks them (the MLP's read one at a time and dropped); BadWeights for a non-finite tensor, or
+        once the last layer is read, for a W_* that is zero in every head."""
         blocks = self.skeleton.adapter.component_mapping["blocks"]
         mlp = blocks.submodules["mlp"].name if "mlp" in blocks.submodules else None
+        nonzero = dict.fromkeys(HEAD_WEIGHTS, False)
         for layer in range(self.cfg["n_layers"]):
             prefix = f"{blocks.name}.{layer}."
-            wanted = [n for n in self.holders if n.startswith(prefix)
-                      and (mlp is None or not n.startswith(f"{prefix}{mlp}."))]
+            names = [n for n in self.holders if n.startswith(prefix)]
+            wanted = [n for n in names if self._whole_layers or mlp is None or not n.startswith(f"{prefix}{mlp}.")]
+            self.shards.check_finite([self._stored_name(n) for n in names if n not in wanted])
             tensors = self.shards.read([self._stored_name(n) for n in wanted])
             for name in wanted:
                 module, attr = self.holders[name]
@@ -170,13 +185,24 @@ class StreamedModel:
                                                               requires_grad=False)
             block = self.skeleton.blocks[layer]
             try:
-                yield _checked(self._layer_weights(layer), layer, self.cfg)
+                weights = _checked(self._layer_weights(layer), layer, self.cfg, self.shards.folder, wanted, self.holders)
+                nonzero = {n: nonzero[n] or bool(weights[n].any()) for n in HEAD_WEIGHTS}
+                yield weights
             finally:
                 for name in wanted:
                     module, attr = self.holders[name]
                     module._parameters[attr] = torch.nn.Parameter(
                         torch.empty(module._parameters[attr].shape, device="meta"), requires_grad=False)
                 _meta_parameters(block)
+        zero = next((n for n in HEAD_WEIGHTS if not nonzero[n]), None)
+        if zero is not None:
+            raise BadWeights(f"{zero} is zero in every head: the checkpoint holds no attention weights to compare")
+
+    @property
+    def _whole_layers(self) -> bool:
+        """Whether "tl" reads the whole layer: a block whose attention and MLP read one norm (GPT-J, Phi-2, Falcon)
+        folds that norm into both."""
+        return self.processing == "tl" and bool(getattr(self.skeleton.cfg, "parallel_attn_mlp", False))
 
     def _stored_name(self, name: str) -> str:
         """The checkpoint's name of the skeleton's parameter `name` (a base model's checkpoint lacks the prefix)."""
@@ -203,7 +229,8 @@ class StreamedModel:
         from transformer_lens.weight_processing import ProcessWeights
 
         own = f"blocks.{layer}."
-        state = {k: v if k.startswith((f"{own}attn.", f"{own}ln1.")) else torch.empty(v.shape, device="meta")
+        real = (own,) if self._whole_layers else (f"{own}attn.", f"{own}ln1.")
+        state = {k: v if k.startswith(real) else torch.empty(v.shape, device="meta")
                  for k, v in self.skeleton.state_dict().items()}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -220,9 +247,13 @@ class StreamedModel:
             linear._parameters["weight"] = torch.nn.Parameter(processed, requires_grad=False)
 
 
-def _checked(weights: dict[str, torch.Tensor], layer: int, cfg: dict) -> dict[str, torch.Tensor]:
+def _checked(weights: dict[str, torch.Tensor], layer: int, cfg: dict, folder: Path, read: list[str],
+             holders: dict) -> dict[str, torch.Tensor]:
     from headgraph.loader.models import all_finite
 
+    bad = next((n for n in read if not all_finite(getattr(*holders[n]))), None)
+    if bad is not None:
+        raise BadWeights(f"weights in '{folder}' contain NaN or Inf in {bad}")
     H, KV, d, k = (cfg[n] for n in ("n_heads", "n_kv_heads", "d_model", "d_head"))
     expected = {"W_Q": (H, d, k), "W_K": (KV, d, k), "W_V": (KV, d, k), "W_O": (H, k, d)}
     for name, shape in expected.items():
@@ -231,6 +262,27 @@ def _checked(weights: dict[str, torch.Tensor], layer: int, cfg: dict) -> dict[st
         if not all_finite(weights[name]):
             raise BadWeights(f"{name} of layer {layer} contains NaN or Inf")
     return weights
+
+
+def _check_names_and_shapes(shards: Shards, holders: dict, skeleton, blocks: str) -> None:
+    """What load_model's from_pretrained checks, from the shards' headers: every tensor of the base model present
+    (a task head outside it may be missing: from_pretrained initialises it) with the config's shape; the tensors
+    outside the layers read and checked finite here, one at a time."""
+    prefix = skeleton.base_model_prefix
+    stored = {}
+    for name in holders:
+        found = next((c for c in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}") if c in shards.files), None)
+        if found is None:
+            if not prefix or name.startswith(prefix + "."):
+                raise BadWeights(f"weights in '{shards.folder}' lack the tensor {name}")
+            continue
+        stored[name] = found
+        module, attr = holders[name]
+        expected = tuple(module._parameters[attr].shape)
+        if shards.shapes[found] != expected:
+            raise BadWeights(f"weights in '{shards.folder}' do not match the config: {found} has shape "
+                             f"{shards.shapes[found]}, expected {expected}")
+    shards.check_finite([stored[n] for n in stored if not n.startswith(blocks + ".")])
 
 
 def open_streamed(folder: Path, name: str, processing: str, device: str, tokenizer=None) -> StreamedModel:
@@ -259,6 +311,8 @@ def open_streamed(folder: Path, name: str, processing: str, device: str, tokeniz
     except (OSError, ValueError, KeyError) as e:
         raise ModelUnavailable(f"cannot read the model config in '{folder}': {first_line(e)}") from None
     check_head_counts(config, folder)
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "quantization_config", None) is not None:
+        raise RuntimeError("not streamable: load_model judges encoder-decoder and quantized checkpoints")
     with quiet():
         with torch.device("meta"):
             skeleton = model_class.from_config(config, attn_implementation="eager")
@@ -275,6 +329,7 @@ def open_streamed(folder: Path, name: str, processing: str, device: str, tokeniz
         except Exception as e:  # noqa: BLE001 - any boot failure means: load the whole model instead
             raise RuntimeError(f"not streamable: the bridge does not boot without weights ({first_line(e)})") from None
     _meta_parameters(bridge)
+    _check_names_and_shapes(shards, holders, skeleton, bridge.adapter.component_mapping["blocks"].name)
     why = _uses_own_processing(bridge.adapter) if processing == "tl" else None
     if why is not None:
         raise RuntimeError(f"not streamable: {why}")
