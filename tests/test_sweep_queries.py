@@ -118,13 +118,14 @@ def _emerged(significant: dict, steps=STEPS) -> dict:
     return out
 
 
-PARAMS = {
+MODELS = ",".join([f"toy-step{step}" for step in STEPS] + ["toy-a", "toy-b"])  # every model this module stores
+PARAMS = {  # each scoped to this module's runs: the Neo4j server is shared with the rest of the suite
     "edge-history": {"sweep": SWEEP, "source": HUB, "target": "L3H0"},
     "role-history": {"sweep": SWEEP, "role": "induction"},
     "emergence": {"sweep": SWEEP},
     "role-emergence": {"sweep": SWEEP},
     "model-hubs": {"models": "toy-a,toy-b", "limit": "3"},
-    "model-roles": {},
+    "model-roles": {"models": MODELS},
 }
 
 
@@ -204,6 +205,12 @@ def test_model_roles_put_the_models_of_a_role_side_by_side(store):
         ("previous_token", "toy-a", 1, ["L2H1"], 24),
     ]
     assert [r["model"] for r in run_named(store, "model-roles", {"models": "toy-b"}).records()] == ["toy-b"]
+
+
+def test_model_roles_without_models_covers_every_model_in_the_store(ladybug):
+    """The embedded store holds this module's runs only, so no models means all of them."""
+    assert run_named(ladybug, "model-roles", {}).rows == run_named(ladybug, "model-roles", {"models": MODELS}).rows
+    assert {r["model"] for r in run_named(ladybug, "model-roles", {}).records()} >= {"toy-a", "toy-b", "toy-step500"}
 
 
 def test_the_sweep_defaults_to_the_latest_and_an_unknown_one_is_a_usage_error(ladybug):
