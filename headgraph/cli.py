@@ -148,8 +148,9 @@ def analyze_options(command: Callable) -> Callable:
     @selection_options
     @click.option("--stability", is_flag=True,
                   help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
-    @click.option("--stream", is_flag=True,
-                  help="Read a folder's weights layer by layer for the PK stages instead of loading the model first.")
+    @click.option("--stream/--no-stream", default=ANALYZE.stream, show_default=True,
+                  help="Read a folder's safetensors layer by layer for the PK stages (the whole model is loaded only "
+                       "for roles and causal effects); --no-stream loads the whole model first.")
     @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
     @click.option("--no-report", is_flag=True, help="Skip the figures and report.")
     @store_options

@@ -35,7 +35,7 @@ class AnalyzeOptions:
     report: bool = True
     sweep: str | None = None  # the sweep this run belongs to (headgraph.sweep sets it), recorded with its step
     step: int | None = None
-    stream: bool = False  # a folder's weights read layer by layer for the PK stages (headgraph.loader.stream)
+    stream: bool = True  # a folder's weights read layer by layer for the PK stages (headgraph.loader.stream); False: the whole model loaded first
 
 
 _NEO4J_SCHEMES = ("bolt://", "bolt+s://", "bolt+ssc://", "neo4j://", "neo4j+s://", "neo4j+ssc://")

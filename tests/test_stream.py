@@ -86,13 +86,14 @@ def analyze(source, out: Path, **settings):
     options = AnalyzeOptions(pk=PKOptions(types="all", null_heads=20, reference_samples=1000, device="cpu"),
                              roles=RoleOptions(n_inputs=8, design="fixed"), causal=CausalOptions(n_inputs=4, loss_inputs=2,
                                                                                                   n_boot=50),
-                             store=None, report=False, out_dir=str(out), stream=True, **settings)
+                             store=None, report=False, out_dir=str(out), **settings)
     return run_analyze(source, options, progress=False)
 
 
 @pytest.mark.slow
 def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
-    """The folder (streamed to the PK, then loaded for roles and effects) against the same model passed in loaded."""
+    """The folder with the default options (streamed to the PK, then loaded for roles and effects) against the
+    same model passed in loaded."""
     folder = checkpoints["llama"]
     streamed = analyze(folder, tmp_path / "streamed")
     bridge = load_model(folder, device="cpu").bridge
@@ -113,29 +114,22 @@ def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
     assert heads_a[decisions].equals(heads_b[decisions])
 
 
-def _analyze_process(source: Path, out: Path, max_memory: str, in_memory: bool) -> dict:
-    """run.json of `headgraph analyze` (no roles, effects, report, store) in a fresh process: the folder as a user
-    passes it, or the same model loaded first and passed in (`in_memory`: the path before streaming)."""
-    code = ("import sys; from headgraph.cli import apply_process_environment; apply_process_environment()\n"
-            "from headgraph.loader.models import load_model\n"
-            "from headgraph.settings import AnalyzeOptions\nfrom headgraph.analysis.options import PKOptions\n"
-            "from headgraph.workflow import run_analyze\n"
-            "src = sys.argv[1]\n"
-            "model = load_model(src, device='cpu').bridge if sys.argv[3] == '1' else src\n"
-            "run_analyze(model, AnalyzeOptions(pk=PKOptions(max_memory=int(sys.argv[4]), device='cpu', null_heads=20,"
-            " reference_samples=1000), roles=None, causal=None, store=None, report=False, out_dir=sys.argv[2],"
-            " stream=True),"
-            " progress=False)\n")
-    subprocess.run([sys.executable, "-c", code, str(source), str(out), "1" if in_memory else "0", max_memory],
-                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+def _analyze_process(source: Path, out: Path, max_memory: int, *flags: str) -> dict:
+    """run.json of `headgraph analyze DIR --max-memory B` (no roles, effects, report or store) in a fresh
+    process, as a user runs it."""
+    from _fast import PK_ONLY_FLAGS
+
+    subprocess.run([sys.executable, "-m", "headgraph", "analyze", str(source), "--out", str(out), "--device", "cpu",
+                    "--max-memory", str(max_memory), "--no-store", "--no-report", *PK_ONLY_FLAGS, *flags],
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600, capture_output=True)
     return json.loads((out / "run.json").read_text())
 
 
 @pytest.mark.slow
 def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
-    """A Llama whose MLP and vocabulary dwarf its attention (about 190 MB of float32 weights, 3 MB of bases): the
-    streamed PK stage grows the process by less than --max-memory plus one layer's weights; given the loaded
-    model, the same stage holds the whole model."""
+    """A Llama whose MLP and vocabulary dwarf its attention (about 190 MB of float32 weights, 3 MB of bases): by
+    default the PK stage grows the process by less than --max-memory plus one layer's weights; with --no-stream
+    (the whole model loaded first) the same stage holds the model, far beyond that --max-memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from headgraph.loader.models import quiet
@@ -153,13 +147,15 @@ def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
         model.save_pretrained(str(folder))
     save_tokenizer(folder, 32000)
     budget = 16 * 2**20
-    streamed = _analyze_process(folder, tmp_path / "streamed", str(budget), in_memory=False)
-    loaded = _analyze_process(folder, tmp_path / "loaded", str(budget), in_memory=True)
+    streamed = _analyze_process(folder, tmp_path / "streamed", budget)
+    loaded = _analyze_process(folder, tmp_path / "loaded", budget, "--no-stream")
     assert streamed["engine"]["weights"]["read"].startswith("streamed")
-    grown = streamed["stages"]["pk_and_significance"]["peak_rss_bytes"] - streamed["stages"]["load"]["peak_rss_bytes"]
+    assert loaded["engine"]["weights"]["read"] == "from the loaded model"
+    peak = {name: {stage: run["stages"][stage]["peak_rss_bytes"] for stage in ("load", "pk_and_significance")}
+            for name, run in (("streamed", streamed), ("loaded", loaded))}
+    grown = peak["streamed"]["pk_and_significance"] - peak["streamed"]["load"]
     assert grown < budget + layer_bytes + 48 * 2**20, (grown, budget, layer_bytes)
-    held = loaded["stages"]["pk_and_significance"]["peak_rss_bytes"]
-    assert held - streamed["stages"]["pk_and_significance"]["peak_rss_bytes"] > 0.7 * model_bytes
+    assert peak["loaded"]["pk_and_significance"] - peak["streamed"]["pk_and_significance"] > 0.7 * model_bytes, peak
     assert loaded["n_pairs"] == streamed["n_pairs"]
 
 
@@ -191,7 +187,7 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
 def test_a_damaged_checkpoint_is_one_line_and_stores_nothing(checkpoints, tmp_path, capsys, how, says):
     folder = _damaged(checkpoints, tmp_path, how)
     db, out = tmp_path / "graph.lbdb", tmp_path / "run"
-    code, _, err = run_cli(["analyze", str(folder), "--stream", "--db", str(db), "--out", str(out), "--no-roles", "--no-causal",
+    code, _, err = run_cli(["analyze", str(folder), "--db", str(db), "--out", str(out), "--no-roles", "--no-causal",
                             "--no-report"], capsys)
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and says in err and "Traceback" not in err, err
