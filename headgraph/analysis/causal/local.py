@@ -12,9 +12,9 @@ import torch
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
-                                               Batch, Layer, Net, batches, carry, check_counts, coupled,
-                                               input_change, network, patched_attention, progress_advance, project,
-                                               receiver_layer, sender_writes)
+                                               Batch, Layer, Net, attribution, batches, carry, check_counts,
+                                               coupled, input_change, network, patched_attention, progress_advance,
+                                               project, receiver_layer, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -124,12 +124,7 @@ def _attribution(batch: Batch, layer: int, change: torch.Tensor, kind: str) -> t
     """Per-input first-order loss change [S, b, H] of the receivers' exact change: Σ (A'_r − A_r) · ∂L/∂A_r
     (Q/K, change = A' − A [S, b, H, T, T]) or Σ Δz_r · ∂L/∂z_r (V, change = Δz [S, b, T, H, e]); None without
     the batch's loss gradients (an encoder)."""
-    if batch.grads is None:
-        return None
-    pattern_grad, z_grad = batch.grads[layer]
-    if kind == "V":
-        return torch.einsum("sbthe,bthe->sbh", change, z_grad)
-    return torch.einsum("sbhqk,bhqk->sbh", change, pattern_grad)
+    return None if batch.grads is None else attribution(batch.grads[layer], change, kind)
 
 
 def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str
@@ -138,10 +133,7 @@ def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor
     through `local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head, and of its attribution."""
     if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
         change = value_change(recv, d, slice(None))
-        attr = None
-        if batch.grads is not None:  # Δz · g = (Δz R) · (g R^-T)
-            z_grad = torch.einsum("bthe,hfe->bthf", batch.grads[layer][1], net.weights["out_root_inverse"][layer])
-            attr = torch.einsum("sbthe,bthe->sbh", change, z_grad)
+        attr = None if batch.grads is None else attribution(batch.grads[layer], change, kind, out_space=True)
         change = change.pow_(2).sum(-1)
         return (change * batch.real[:, :, None]).sum(2).transpose(1, 2), _heads_last(attr)
     moved = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern)

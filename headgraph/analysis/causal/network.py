@@ -175,6 +175,18 @@ def _recomputes(net: Net, probe: TokenInputs) -> bool:
 
 
 @dataclass(frozen=True)
+class Gradients:
+    """A decoder's loss gradients at one layer's heads, read at the ATTRIBUTION_STEPS + 1 points α = k / steps of
+    the path from the clean to the counterfactual activations (every head's z at z + α Δz), and what places an
+    edge's change on that path: its projection on each receiver's own Δz, in the output metric (Δz W_O)."""
+
+    pattern: torch.Tensor  # [steps + 2, b, H, T, T]: ∂L/∂A at each point, then M with Σ ΔA·M = <ΔA v W_O, Δz W_O>
+    z: torch.Tensor  # [steps + 2, b, T, H, e]: ∂L/∂z at each point, then Δz W_O W_O^T (Σ dz·it = <dz W_O, Δz W_O>)
+    z_out: torch.Tensor | None  # path "recompute": both read by a change in Δz R (`W_V_out`): ∂L/∂z R^-T, Δz R
+    squared: torch.Tensor  # [b, H]: ||Δz W_O||² of each head over the batch's tokens
+
+
+@dataclass(frozen=True)
 class Batch:
     """One batch: its rows among all inputs, masks, the clean residual inputs and z, and Δz of every head."""
 
@@ -188,7 +200,7 @@ class Batch:
     dz: torch.Tensor  # z(x') - z(x) [L, b, T, H, e], 0 where x or x' has no token
     norms: list[tuple[torch.Tensor, ...]] | None  # post-LN: (ln1 in, ln1 out, ln2 in, ln2 out) of layers < L-1
     calls: list[tuple[tuple, dict]] | None = None  # path "module": each layer's attention call (args, kwargs)
-    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> ∂L/∂pattern, ∂L/∂z (clean x)
+    grads: dict[int, Gradients] | None = None  # layer -> a decoder's loss gradients (attribution)
     hooked: dict[str, torch.Tensor] | None = None  # path "module": the clean q/k/v/pattern/attention output
 
 
@@ -249,23 +261,54 @@ def _captured_calls(net: Net, batch: TokenInputs, names: list[str]) -> tuple[dic
     return cache, calls
 
 
-ATTRIBUTION_STEPS = 4  # interpolation points of the integrated gradients
+ATTRIBUTION_STEPS = 4  # intervals of the clean-to-counterfactual path: its gradients are read at their 5 ends
+
+
+def path_weights(place: torch.Tensor, steps: int) -> torch.Tensor:
+    """Weights [steps + 1, *place.shape] of the gradients at α = k / steps that give the mean gradient over
+    [0, place] of the path (place in [0, 1]), the gradient linear in α between the points: Σ_k w_k = 1, and
+    place 0 is the clean gradient alone."""
+    nodes = torch.arange(steps + 1, dtype=place.dtype, device=place.device).view(-1, *[1] * place.dim()) / steps
+
+    def hat_integral(x):  # ∫_-inf^x max(0, 1 - |u|) du
+        return torch.where(x < 0, (x + 1).clamp(min=0).pow(2) / 2, 1 - (1 - x).clamp(min=0).pow(2) / 2)
+
+    area = (hat_integral((place - nodes) * steps) - hat_integral(-nodes * steps)) / steps
+    clean = torch.zeros_like(area)
+    clean[0] = 1
+    tiny = place < 1e-6
+    return torch.where(tiny, clean, area / torch.where(tiny, torch.ones_like(place), place))
+
+
+def attribution(grads: Gradients, change: torch.Tensor, kind: str, out_space: bool = False) -> torch.Tensor:
+    """First-order loss change [S, b, H] of the receivers' exact change: A' - A [S, b, H, T, T] (Q/K) or Δz
+    [S, b, T, H, e] (V; `out_space`: as Δz R). Each edge's gradient is the mean over its own stretch [0, c] of
+    the clean-to-counterfactual path, c in [0, 1] its change's projection on the receiver's whole Δz (an
+    input's all its tokens): a small change reads the clean gradient (first-order exact), one as large as the
+    receiver's counterfactual change the integrated gradient of the whole path."""
+    if kind == "V":
+        dots = torch.einsum("sbthe,nbthe->nsbh", change, grads.z_out if out_space else grads.z)
+    else:
+        dots = torch.einsum("sbhqk,nbhqk->nsbh", change, grads.pattern)
+    squared = grads.squared[None]
+    place = torch.where(squared > 0, dots[-1] / squared.clamp(min=1e-30), torch.zeros_like(dots[-1])).clamp(0, 1)
+    return (path_weights(place, len(dots) - 2) * dots[:-1]).sum(0)
 
 
 def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int = ATTRIBUTION_STEPS
-                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """{layer: (∂L/∂pattern [b, H, T, T], ∂L/∂z [b, T, H, e])} of a decoder's next-token loss L (summed over the
-    predicted tokens; each input's gradient is its own loss's), averaged over `steps` points α = (k + 1/2) /
-    steps of the path from the clean to the counterfactual activations: every head's z is z + α Δz (its value
-    only: the gradient still reaches each pattern through the head's own z), as integrated-gradients edge
-    attribution interpolates between clean and corrupted runs (Hanna et al. 2024)."""
+                    ) -> dict[int, Gradients]:
+    """{layer: Gradients} of a decoder's next-token loss L (summed over the predicted tokens; each input's
+    gradient is its own loss's) at `steps` + 1 points α = k / steps of the path from the clean to the
+    counterfactual activations: every head's z is z + α Δz (its value only: the gradient still reaches each
+    pattern through the head's own z), the path of integrated-gradients edge attribution (Hanna et al. 2024)."""
     names = [f"blocks.{l}.attn.hook_{t}" for l in range(net.n_layers) for t in ("pattern", "z")]
+    values = [f"blocks.{l}.attn.hook_v" for l in range(net.n_layers)]
     ids = batch.input_ids.to(net.bridge.cfg.device)
     real = batch.attention_mask.bool().to(ids.device)
-    _, clean = run_with_activations(net.bridge, batch, z_names(net))
-    total = None
-    for k in range(steps):
-        alpha, kept = (k + 0.5) / steps, {}
+    _, clean = run_with_activations(net.bridge, batch, z_names(net) + values)
+    found = {name: [] for name in names}
+    for k in range(steps + 1):
+        alpha, kept = k / steps, {}
 
         def keep(name):
             def hook(value, hook):
@@ -284,21 +327,37 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int =
                                                        reduction="none")
             loss = (losses * (real[:, 1:] & real[:, :-1])).sum()
             grads = torch.autograd.grad(loss, [kept[name] for name in names])
-        total = grads if total is None else [a + g for a, g in zip(total, grads)]
-    found = {name: g.float() / steps for name, g in zip(names, total)}
-    return {l: (found[f"blocks.{l}.attn.hook_pattern"], found[f"blocks.{l}.attn.hook_z"])
-            for l in range(net.n_layers)}
+        for name, g in zip(names, grads):
+            found[name].append(g.float())
+    w_o = net.weights["W_O"]
+    found_by_layer = {}
+    for l in range(net.n_layers):
+        v = clean[values[l]].float()
+        v = v.repeat_interleave(net.n_heads // v.shape[2], dim=2)  # a KV head's values for each query head
+        metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o[l], w_o[l])  # Δz W_O W_O^T
+        places = torch.einsum("bkhe,bqhe->bhqk", v, metric)
+        z_grads = torch.stack(found[f"blocks.{l}.attn.hook_z"])
+        z_out = None
+        if "out_root_inverse" in net.weights:
+            z_out = torch.cat([torch.einsum("nbthe,hfe->nbthf", z_grads, net.weights["out_root_inverse"][l]),
+                               torch.einsum("bthe,hef->bthf", dz[l], net.out_root[l])[None]])
+        found_by_layer[l] = Gradients(
+            pattern=torch.cat([torch.stack(found[f"blocks.{l}.attn.hook_pattern"]), places[None]]),
+            z=torch.cat([z_grads, metric[None]]), z_out=z_out,
+            squared=torch.einsum("bthe,bthe->bh", dz[l], metric))
+    return found_by_layer
 
 
-def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None], gradients: bool = False
-            ) -> Iterator[Batch]:
+def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None], gradients: bool = False,
+            path: Path | None = None) -> Iterator[Batch]:
     """The clean and corrupted activations of each batch of the input sets (and, with `gradients`, a decoder's
-    loss gradients at every layer's pattern and z)."""
-    L = net.n_layers
+    loss gradients at every layer's pattern and z) for receivers patched by `path` (default: net.path): the
+    attention calls are kept for the module path and for a rotary model's cos/sin."""
+    L, path = net.n_layers, path or net.path
     names = z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
     if net.post_ln:
         names += [f"blocks.{l}.ln{i}.hook_in" for l in range(L - 1) for i in (1, 2)]
-    if net.path == "module":
+    if path == "module":
         names += [name for l in range(L) for name in _module_names(net, l)]
     offset = 0
     for clean_set, corrupt_set in zip(sets, corrupted):

@@ -42,10 +42,14 @@ DEFINITIONS = {
                  "model's own hook_z on every batch",
     "attribution": "effect_attr, decoders: the first-order change of the next-token loss (nats per predicted "
                    "token) that the receiver's exact change causes, sum (A'_r - A_r) . dL/dA_r for Q/K (the exact "
-                   "patched attention rows) and sum dz_r . dL/dz_r for V, the gradients averaged over "
-                   "4 points (ATTRIBUTION_STEPS) of the path from the clean to the counterfactual activations "
-                   "(integrated gradients); it approximates effect_loss, and `agreement` says how well on the "
-                   "edges patched exactly; encoders: not computed",
+                   "patched attention rows) and sum dz_r . dL/dz_r for V; the gradients are read at 5 points "
+                   "(ATTRIBUTION_STEPS + 1) of the path from the clean to the counterfactual activations (every "
+                   "head's z moved together), and each edge, on each input, takes their mean over its own stretch "
+                   "[0, c] of that path, c in [0, 1] its change's projection on the receiver's whole "
+                   "counterfactual change (output metric): a small change reads the clean gradient, one as large "
+                   "as the receiver's counterfactual change the integrated gradient of the whole path; it "
+                   "approximates effect_loss, and `agreement` says how well on the edges patched exactly; "
+                   "encoders: not computed",
     "interval": f"{CONFIDENCE:.0%} percentile bootstrap over inputs; a loss effect's per-input numerator is "
                 "the patched minus clean loss on the same input, so the resampling is paired",
 }
