@@ -20,6 +20,8 @@ from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
 AGREEMENT_RHO = 0.8  # below it on a type, that type's attribution is flagged unreliable
+AGREEMENT_SAMPLE = 10  # pairs per type drawn at random, beside the top edges, for the agreement figure
+SAMPLE_STREAM = 103  # their random stream beside the seed (the bootstrap is 102)
 DEFINITIONS = {
     "local_QK": "mean over inputs and query positions (real queries seeing more than one key) of the total-"
                 "variation distance 1/2 sum_k |A_r - A'_r| between r's clean and patched attention rows",
@@ -97,25 +99,47 @@ class CausalStage:
                               batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
                   "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "agreement_sample": {"per_type": AGREEMENT_SAMPLE, "seed": [seed, SAMPLE_STREAM]} if o.loss else {},
                   "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs or len(s)) for s in self.inputs}
                   if o.loss else {},
                   "definitions": DEFINITIONS}
         return with_effects(pairs, local), record
 
     def loss(self, pairs: pd.DataFrame, edges: pd.DataFrame, seed: int, progress=None
-             ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, dict[str, float]]]:
-        """(pairs and edges with effect_loss / _lo / _hi, `agreement` of attribution with them) for the edges
-        that have a local effect, at most `loss_edges` per type, largest |attribution| first (encoders: local
-        effect), on every input (or the first `loss_inputs` of each set)."""
+             ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, dict[str, Any]]]:
+        """(pairs and edges with effect_loss / _lo / _hi, `agreement` of attribution with them) for the checked
+        edges: the selected edges that have a local effect, at most `loss_edges` per type, largest |attribution|
+        first (encoders: local effect), and (decoders) AGREEMENT_SAMPLE more pairs per type drawn at random
+        (seeded) among the rest, on every input (or the first `loss_inputs` of each set). `agreement` is
+        measured on them all: the top edges alone are the ones attribution ranks first, no fair sample of it."""
         o = self.options
         order = "effect_attr" if edges["effect_attr"].notna().any() else "effect"
         chosen = edges[edges["effect"].notna()].sort_values(order, ascending=False, kind="stable", key=abs)
         if o.loss_edges is not None:
             chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
+        sample = agreement_sample(pairs, chosen, seed) if order == "effect_attr" else chosen.iloc[:0]
+        checked = pd.concat([chosen[KEY_COLUMNS], sample[KEY_COLUMNS]], ignore_index=True)
         inputs = tuple(s.batch(0, min(len(s), o.loss_inputs or len(s))) for s in self.inputs)
-        loss = loss_effects(self.model, inputs, chosen, o.ablation, n_boot=o.n_boot, seed=seed,
+        loss = loss_effects(self.model, inputs, checked, o.ablation, n_boot=o.n_boot, seed=seed,
                             batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
-        return with_effects(pairs, loss), with_effects(edges, loss), agreement(with_effects(chosen, loss))
+        found = agreement(with_effects(pd.concat([chosen, sample], ignore_index=True), loss))
+        for kind, entry in found.items():
+            drawn = sample[sample["source_type"] + sample["target_type"] == kind]
+            entry["sampled"] = [f"{a}->{b}" for a, b in zip(drawn["source"], drawn["target"])]
+        return with_effects(pairs, loss), with_effects(edges, loss), found
+
+
+def agreement_sample(pairs: pd.DataFrame, chosen: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """AGREEMENT_SAMPLE pairs per type with an attribution, drawn uniformly (numpy, seeds [seed,
+    SAMPLE_STREAM]) among those not in `chosen`, in the pairs' order."""
+    rest = pairs[pairs["effect_attr"].notna()].merge(chosen[KEY_COLUMNS], on=KEY_COLUMNS, how="left",
+                                                      indicator=True)
+    rest = rest[rest["_merge"] == "left_only"].drop(columns="_merge")
+    rng = np.random.default_rng([seed, SAMPLE_STREAM])
+    kinds = rest["source_type"] + rest["target_type"]
+    drawn = [np.sort(rng.choice(np.flatnonzero(kinds.values == kind), min(AGREEMENT_SAMPLE, (kinds == kind).sum()),
+                                replace=False)) for kind in dict.fromkeys(kinds)]
+    return rest.iloc[np.concatenate(drawn)] if drawn else rest.iloc[:0]
 
 
 def agreement(checked: pd.DataFrame) -> dict[str, dict[str, float]]:
