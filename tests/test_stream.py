@@ -173,6 +173,11 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {n: f"model-0000{1 + ('layers.2.' in n)}-of-00002.safetensors"
                                             for n in names}}))
+    elif how == "shard_missing_without_index":  # the same two shards, the second and the index gone
+        names = load_file(str(weights))
+        save_file({n: t for n, t in names.items() if "layers.2." not in n},
+                  str(folder / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+        weights.unlink()
     elif how == "integer_dtype":
         state = load_file(str(weights))
         name = next(n for n in state if "q_proj" in n)
@@ -183,6 +188,7 @@ def _damaged(checkpoints, tmp_path, how: str) -> Path:
 
 @pytest.mark.parametrize("how, says", [("truncated", "cannot read the weights"),
                                        ("index_names_a_missing_shard", "names the shard model-00002-of-00002"),
+                                       ("shard_missing_without_index", "lack the tensor model.layers.2."),
                                        ("integer_dtype", "stored as I8")])
 def test_a_damaged_checkpoint_is_one_line_and_stores_nothing(checkpoints, tmp_path, capsys, how, says):
     folder = _damaged(checkpoints, tmp_path, how)
