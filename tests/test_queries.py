@@ -22,6 +22,8 @@ from headgraph.queries.runner import load_query, query_names, run_named
 SESSION = f"qtest-{uuid.uuid4().hex[:6]}"
 RUN_A, RUN_B = f"{SESSION}-a", f"{SESSION}-b"
 CLASSES = {HUB: ["identity"], "L3H0": ["induction"], "L4H2": ["induction", "previous_token"], "L0H0": ["induction"]}
+AGREEMENT = {"OK": {"edges": 12, "spearman": 0.93, "reliable": True},  # run A's attribution vs exact, as run.json's
+             "OV": {"edges": 12, "spearman": 0.41, "reliable": False}}  # OQ: none measured
 IDENTITY = pd.DataFrame({"name": [HUB, "L5H3"], "identity_score": [0.9, 0.8], "identity_sig": [True, True]})
 
 
@@ -30,8 +32,8 @@ def graphs():
     pairs, heads = planted_pairs()
     run = {"model": "toy-model", "processing": "tl"}
     with_identity = heads.merge(IDENTITY.rename(columns={"name": "head"}), on="head", how="left")  # roles of run A
-    a = run_graph(pairs, with_identity, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00"},
-                  SelectionPolicy(20), CLASSES)
+    a = run_graph(pairs, with_identity, {**run, "id": RUN_A, "created": "2026-01-01T00:00:00+00:00",
+                                         "causal": {"agreement": AGREEMENT}}, SelectionPolicy(20), CLASSES)
     b = run_graph(pairs, heads, {**run, "id": RUN_B, "created": "2026-01-02T00:00:00+00:00"},
                   SelectionPolicy(10), CLASSES)
     return a, b
@@ -136,6 +138,15 @@ def test_causal_edges_are_the_selected_edges_by_effect(store, edges):
     assert list(zip(rows.kind, rows.source, rows.target)) == list(zip(expected.kind, expected.source, expected.target))
     assert rows.effect.tolist() == pytest.approx(expected.effect.tolist())
     assert rows.pk_rank.tolist() == expected["rank"].tolist() and rows.effect_loss.isna().all()
+
+
+def test_causal_edges_flag_the_types_whose_attribution_disagrees_with_exact_patching(store):
+    rows = pd.DataFrame(run_named(store, "causal-edges", {"run": RUN_A, "limit": "1000"}).records())
+    flags = {kind: set(part.attr_reliable.tolist()) for kind, part in rows.groupby("kind")}
+    assert flags["OK"] == {True} and flags["OV"] == {False}  # rho 0.93 and 0.41 against 0.8
+    assert rows[rows.kind == "OQ"].attr_reliable.isna().all()  # nothing patched exactly: not known
+    other = pd.DataFrame(run_named(store, "causal-edges", {"run": RUN_B, "limit": "1000"}).records())
+    assert len(other) > 0 and other.attr_reliable.isna().all()  # a run without loss effects
 
 
 def test_top_edges_are_the_strongest_per_type(store, edges):

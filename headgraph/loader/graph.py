@@ -82,7 +82,18 @@ def run_properties(run: RunRecord, policy: SelectionPolicy) -> dict:
         "sweep": run.sweep,
         "step": run.step,
         "params": json.dumps(run.to_json(), sort_keys=True),
+        **attribution_agreement(run),
     }
+
+
+def attribution_agreement(run: RunRecord) -> dict:
+    """attr_reliable / attr_unreliable: the types whose attribution agrees with the exact loss effects of the
+    edges patched exactly (run.json causal.agreement `reliable`, Spearman rho >= 0.8) and those where it does
+    not; None (not stored) where there are none, e.g. a run without loss effects."""
+    agreement = (run.causal or {}).get("agreement", {})
+    found = {"attr_reliable": [kind for kind, a in agreement.items() if a["reliable"]],
+             "attr_unreliable": [kind for kind, a in agreement.items() if not a["reliable"]]}
+    return {name: sorted(kinds) or None for name, kinds in found.items()}
 
 
 def model_properties(run: RunRecord) -> dict:

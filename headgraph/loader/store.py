@@ -67,6 +67,8 @@ RUN_PROPERTIES = {
     "n_heads": "INT64",
     "n_edges": "INT64",
     "params": "STRING",
+    "attr_reliable": "STRING[]",
+    "attr_unreliable": "STRING[]",
     "writer_host": "STRING",
     "writer_pid": "INT64",
     "writer_started": "DOUBLE",
