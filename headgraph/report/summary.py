@@ -87,7 +87,10 @@ def _strongest_effects(pairs, causal: dict | None) -> dict:
     with_effect = pairs[pairs["effect"].notna()]
     top = with_effect.loc[with_effect.groupby(with_effect["source_type"] + with_effect["target_type"])["effect"].idxmax()]
     columns = ["source", "target", "source_type", "target_type", "effect", "effect_lo", "effect_hi", "pk"]
-    return {"inputs": causal["inputs"], "strongest": records(top[[c for c in columns + ["effect_loss"] if c in top]])}
+    agreement = {kind: {"spearman": entry["spearman"], "edges": entry["edges"]}
+                 for kind, entry in causal.get("agreement", {}).items()}  # attribution vs exact, run.json's
+    return {"inputs": causal["inputs"], "strongest": records(top[[c for c in columns + ["effect_loss"] if c in top]]),
+            "agreement": agreement}
 
 
 def print_summary(data: dict, console: Console) -> None:
@@ -132,6 +135,9 @@ def print_summary(data: dict, console: Console) -> None:
                           f"{e['effect']:.3f} [{e['effect_lo']:.3f}, {e['effect_hi']:.3f}]", f"{e['pk']:.2f}",
                           "-" if loss is None else f"{loss:+.3f}")
         console.print(table)
+        if causal["agreement"]:
+            console.print("attribution vs exact loss effect, Spearman rho (edges): " + ", ".join(
+                f"{kind} {a['spearman']:.2f} ({a['edges']})" for kind, a in causal["agreement"].items()))
     console.print(f"artifacts: {data['folder']}")
     console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
     for name, path in data["report"].items():
