@@ -8,11 +8,13 @@ import json
 import pandas as pd
 import pytest
 from _commands import headgraph
+from rich.console import Console
 
 from headgraph.analysis.selection import SelectionPolicy, select_edges, select_graph
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.open_store import open_store
 from headgraph.queries.runner import run_named
+from headgraph.report.summary import print_summary
 from headgraph.runs import load_run
 
 pytestmark = pytest.mark.slow  # one analysis of induction-2l with every stage, 70-90 s at load ~10
@@ -27,7 +29,7 @@ LOSS = ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
 def analyzed(tmp_path_factory):
     work = tmp_path_factory.mktemp("causal-analyze")
     db, out = work / "graph.lbdb", work / "run"
-    done = headgraph("analyze", "induction-2l", "--db", str(db), "--out", str(out), "--top-k", "4", "--causal-n", "16",
+    done = headgraph("analyze", "induction-2l", "--db", str(db), "--out", str(out), "--top-k", "4",
                      "--n-inputs", "40", "--null-heads", "40", "--reference-samples", "2000", "--json")
     assert done.returncode == 0, done.stderr
     return db, out, json.loads(done.stdout)
@@ -42,7 +44,11 @@ def test_every_composition_pair_has_a_local_effect_and_the_selected_edges_a_loss
     assert ((pairs.effect_lo <= pairs.effect) & (pairs.effect <= pairs.effect_hi)).all()
     selected = select_edges(pairs, SelectionPolicy(top_k=4))  # the run's policy, recomputed here
     with_loss = pairs[pairs.effect_loss.notna()]
-    assert sorted(map(tuple, with_loss[KEY].values)) == sorted(map(tuple, selected[KEY].values))
+    agreement = json.loads((out / "run.json").read_text())["causal"]["agreement"]
+    sampled = {(e.split("->")[0], e.split("->")[1], kind[0], kind[1]) for kind in agreement
+               for e in agreement[kind]["sampled"]}  # the random pairs beside the selected ones
+    assert len(sampled) == 30 and not sampled & set(map(tuple, selected[KEY].values))
+    assert set(map(tuple, with_loss[KEY].values)) == set(map(tuple, selected[KEY].values)) | sampled
     ok = pairs[pairs.target_type == "K"]
     circuit = ok[[(s, t) in CIRCUIT for s, t in zip(ok.source, ok.target)]]
     others = ok.drop(circuit.index)
@@ -52,7 +58,8 @@ def test_every_composition_pair_has_a_local_effect_and_the_selected_edges_a_loss
 
 def test_attribution_ranks_the_circuit_first_and_the_record_says_how_far_it_agrees(analyzed):
     """Every OQ/OK/OV pair gets an attribution; the induction circuit's four OK edges have the four largest, each
-    with its interval above 0; run.json records attribution against exact patching on the selected edges."""
+    with its interval above 0; run.json records attribution against exact patching on the checked edges (the 4
+    selected and 10 drawn at random per type), and on OK it ranks them as exact patching does (rho >= 0.9)."""
     _, out, _ = analyzed
     pairs = load_run(out).pairs
     attr = ["effect_attr", "effect_attr_lo", "effect_attr_hi"]
@@ -64,9 +71,9 @@ def test_attribution_ranks_the_circuit_first_and_the_record_says_how_far_it_agre
     agreement = json.loads((out / "run.json").read_text())["causal"]["agreement"]
     checked = pairs.dropna(subset=["effect_loss"])
     ok_checked = checked[checked.target_type == "K"]
-    assert agreement["OK"]["edges"] == len(ok_checked) == 4
+    assert agreement["OK"]["edges"] == len(ok_checked) == 14
     rho = ok_checked[["effect_attr", "effect_loss"]].corr(method="spearman").iloc[0, 1]  # pandas, not ours
-    assert agreement["OK"]["spearman"] == pytest.approx(rho)
+    assert agreement["OK"]["spearman"] == pytest.approx(rho) and rho >= 0.9
     assert agreement["OK"]["max_abs_error"] == pytest.approx((ok_checked.effect_attr - ok_checked.effect_loss).abs().max())
 
 
@@ -75,11 +82,18 @@ def test_the_run_record_and_the_summary_say_how_effects_were_measured(analyzed):
     strongest = {e["target_type"]: e for e in summary["causal"]["strongest"]}
     assert (strongest["K"]["source"], strongest["K"]["target"]) in CIRCUIT and strongest["K"]["effect_loss"] > 0
     causal = json.loads((out / "run.json").read_text())["causal"]
-    assert causal["inputs"] == {"ioi": 16, "repeated_tokens": 16} and causal["source"] == "generated"
+    assert causal["inputs"] == {"ioi": 24, "repeated_tokens": 24} and causal["source"] == "generated"
     assert causal["ablation"] == "resample" and causal["types"] == ["OQ", "OK", "OV"]
     assert "total-variation" in causal["definitions"]["local_QK"]
     assert set(causal["timings_s"]) == {"local", "loss"}
-    assert causal["loss_inputs_per_set"] == {"ioi": 16, "repeated_tokens": 16} and causal["loss_edges_per_type"] == 50
+    assert causal["loss_inputs_per_set"] == {"ioi": 24, "repeated_tokens": 24} and causal["loss_edges_per_type"] == 50
+    assert causal["agreement_sample"] == {"per_type": 10, "seed": [0, 103]}
+    assert summary["causal"]["agreement"] == {kind: {"spearman": a["spearman"], "edges": a["edges"]}
+                                              for kind, a in causal["agreement"].items()}
+    console = Console(record=True, width=200)
+    print_summary(summary, console)  # what analyze prints without --json
+    line = next(t for t in console.export_text().splitlines() if t.startswith("attribution vs exact"))
+    assert all(f"{kind} {a['spearman']:.2f} ({a['edges']})" in line for kind, a in causal["agreement"].items())
 
 
 @pytest.fixture(params=["ladybug", pytest.param("neo4j", marks=pytest.mark.neo4j)])
@@ -114,6 +128,8 @@ def test_both_stores_hold_the_effects_and_causal_edges_ranks_the_circuit_first(s
     for column in EFFECTS + LOSS + ["pk", "cs"]:
         pd.testing.assert_series_equal(joined[column], joined[f"{column}_file"], check_names=False, rtol=1e-12)
     assert list(table.effect) == sorted(table.effect, reverse=True)
+    agreement = json.loads((analyzed[1] / "run.json").read_text())["causal"]["agreement"]
+    assert table.attr_reliable.tolist() == [agreement[kind]["spearman"] >= 0.8 for kind in table.kind]
 
 
 def test_min_effect_keeps_only_edges_with_that_effect(analyzed):
