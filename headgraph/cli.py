@@ -6,14 +6,16 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import click
 
 from headgraph._version import __version__
-from headgraph.analysis.options import CORRECTIONS, ROLE_DESIGNS, STABILITY_VARIANTS
+from headgraph.analysis.options import STABILITY_VARIANTS, Correction, Device, Dtype, RoleDesign
 from headgraph.analysis.evaluation import CAUSAL_THRESHOLD
 from headgraph.analysis.selection import DEFAULT_TOP_K, SelectionPolicy
 from headgraph.errors import HeadgraphError
+from headgraph.heads import Processing
 from headgraph.loader.open_store import StoreSpec
 from headgraph.loader.store import DEFAULT_DB
 from headgraph import settings
@@ -95,7 +97,7 @@ def show(data, as_json: bool, printer: Callable) -> None:
         printer(data, Console())
 
 
-DEVICE_OPTION = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+DEVICE_OPTION = click.option("--device", type=click.Choice(get_args(Device)), default=None,
                              help="torch device (default: cuda when present, else cpu).")
 
 CLASSES_OPTION = click.option(
@@ -113,10 +115,10 @@ def analyze_options(command: Callable) -> Callable:
                        "sweep: the folder of its checkpoints' run folders, default runs/<sweep id>).")
     @click.option("--types", default=",".join(PK.types).lower(), show_default=True,
                   help="Type pairs (source type, target type) of Q,K,V,O, comma-separated, or 'all' for all 16.")
-    @click.option("--processing", type=click.Choice(["tl", "raw"]), default=ANALYZE.processing, show_default=True,
+    @click.option("--processing", type=click.Choice(get_args(Processing)), default=ANALYZE.processing, show_default=True,
                   help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
     @DEVICE_OPTION
-    @click.option("--dtype", type=click.Choice(["float32", "float64"]), default=PK.dtype, show_default=True)
+    @click.option("--dtype", type=click.Choice(get_args(Dtype)), default=PK.dtype, show_default=True)
     @click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
     @click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
                   help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
@@ -129,9 +131,9 @@ def analyze_options(command: Callable) -> Callable:
     @click.option("--roles/--no-roles", default=True, show_default=True, help="Test each head's roles.")
     @click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
                   help="Generated inputs per input set of the role tests (sequential: at most).")
-    @click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
+    @click.option("--correction", type=click.Choice(get_args(Correction)), default=ROLES.correction, show_default=True,
                   help="Multiple-testing correction of the role tests across heads.")
-    @click.option("--design", "role_design", type=click.Choice(ROLE_DESIGNS), default=ROLES.design,
+    @click.option("--design", "role_design", type=click.Choice(get_args(RoleDesign)), default=ROLES.design,
                   show_default=True, help="Role tests: sequential stops an input set once every head is settled; "
                                           "fixed: t-tests on all --n-inputs.")
     @click.option("--causal/--no-causal", default=True, show_default=True,
@@ -257,8 +259,9 @@ def sweep_command(models, checkpoints_dir, revisions, steps_file, final_step, sw
     click.echo(f"sweep {outcome.sweep_id}: {len(outcome.runs)} runs in {outcome.store}")
 
 
+OutputFormat = Literal["table", "json", "csv"]
 FORMAT_OPTION = click.option(
-    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
+    "--format", "fmt", type=click.Choice(get_args(OutputFormat)), default="table", show_default=True,
     help="Output: a table, a JSON list of row objects, or CSV.",
 )
 
@@ -278,7 +281,7 @@ def _cell(value) -> str:
     return str(value)
 
 
-def print_rows(rows, fmt: str) -> None:
+def print_rows(rows, fmt: OutputFormat) -> None:
     """Query rows (a headgraph.loader.store.Rows) on stdout: `json` a JSON list of row objects, `csv` a header
     and the rows (lists joined by '; '), `table` a rich table."""
     import csv
@@ -386,9 +389,9 @@ def cypher(statement, params, fmt, store):
 @click.option("--tau", default=ROLES.tau, show_default=True, help="Sieve bias threshold of the one-sided test.")
 @click.option("--alpha", default=ROLES.alpha, show_default=True,
               type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Significance level of the decision.")
-@click.option("--correction", type=click.Choice(CORRECTIONS), default=ROLES.correction, show_default=True,
+@click.option("--correction", type=click.Choice(get_args(Correction)), default=ROLES.correction, show_default=True,
               help="Multiple-testing correction across heads.")
-@click.option("--design", "role_design", type=click.Choice(ROLE_DESIGNS), default=ROLES.design, show_default=True,
+@click.option("--design", "role_design", type=click.Choice(get_args(RoleDesign)), default=ROLES.design, show_default=True,
               help="sequential: stop an input set once every head is settled; fixed: t-tests on all --n-inputs.")
 @click.option("--identity-map", is_flag=True, help="Also print the layer x head map of identity scores.")
 @DEVICE_OPTION

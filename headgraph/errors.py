@@ -1,4 +1,7 @@
-"""Errors the CLI turns into one clear line and an exit code (no traceback unless --debug)."""
+"""Errors the CLI turns into one clear line and an exit code (no traceback unless --debug), and the one check of
+a closed set's value (`check_choice`)."""
+
+from typing import get_args
 
 
 def first_line(error: BaseException) -> str:
@@ -6,6 +9,24 @@ def first_line(error: BaseException) -> str:
     for a one-line error that names the cause."""
     text = (getattr(error, "message", None) or str(error)).strip()
     return (text.splitlines() or [type(error).__name__])[0][:200]
+
+
+def check_choice(value, closed, what: str):
+    """`value` when it is a member of the closed set `closed` (a `Literal` type), else a UsageError naming the
+    value and the members. Each closed set is declared as a Literal in its module and checked there with this.
+
+    >>> from typing import Literal
+    >>> check_choice("bh", Literal["none", "bh"], "correction")
+    'bh'
+    >>> check_choice("BH", Literal["none", "bh"], "correction")
+    Traceback (most recent call last):
+    ...
+    headgraph.errors.UsageError: unknown correction 'BH': use one of none, bh
+    """
+    members = get_args(closed)
+    if value not in members:
+        raise UsageError(f"unknown {what} {value!r}: use one of {', '.join(members)}")
+    return value
 
 
 class HeadgraphError(Exception):

@@ -34,19 +34,20 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import networkx as nx
 
 from headgraph.analysis.network import head_network
 from headgraph.analysis.selection import SelectionPolicy, select_graph
-from headgraph.errors import UsageError
+from headgraph.errors import UsageError, check_choice
 from headgraph.files import writable_folder
 from headgraph.loader.graph import head_key, model_properties, run_properties
 from headgraph.runs import Run
 
-FILE_FORMATS = ("graphml", "gexf", "cytoscape")
-FOLDER_FORMATS = ("csv", "neo4j-import")
-FORMATS = FILE_FORMATS + FOLDER_FORMATS
+FileFormat = Literal["graphml", "gexf", "cytoscape"]
+FolderFormat = Literal["csv", "neo4j-import"]
+ExportFormat = Literal[FileFormat, FolderFormat]
 LIST_SEPARATOR = ";"
 """Joins list values in GraphML, GEXF and CSV; also neo4j-admin's default --array-delimiter."""
 NEO4J_FILES = {"model.csv": "nodes", "run.csv": "nodes", "heads.csv": "nodes", "of_model.csv": "relationships",
@@ -90,11 +91,10 @@ def neo4j_import_arguments(folder, database: str = "neo4j") -> list[str]:
             *(f"--{kind}={folder / name}" for name, kind in NEO4J_FILES.items())]
 
 
-def export_run(run: Run, policy: SelectionPolicy, fmt: str, out) -> Exported:
+def export_run(run: Run, policy: SelectionPolicy, fmt: ExportFormat, out) -> Exported:
     """Select `run`'s graph by `policy` and write it to `out` in format `fmt` (module docstring)."""
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    out = _prepared(Path(out), folder=fmt in FOLDER_FORMATS)
+    check_choice(fmt, ExportFormat, "export format")
+    out = _prepared(Path(out), folder=fmt in get_args(FolderFormat))
     graph = head_network(select_graph(run.pairs, run.heads, policy))
     if fmt == "graphml":
         nx.write_graphml(scalar_lists(graph), out)

@@ -25,9 +25,13 @@ WeightType = Literal["Q", "K", "V", "O"]
 WEIGHT_TYPES: tuple[WeightType, ...] = get_args(WeightType)
 TYPE_PAIRS: tuple[str, ...] = tuple(s + t for s in WEIGHT_TYPES for t in WEIGHT_TYPES)
 """All 16 weight-pair types, source type then target type, in the order of the figures and tables."""
-COMPOSITION_TYPES: tuple[str, ...] = ("OQ", "OK", "OV")
+CompositionType = Literal["OQ", "OK", "OV"]
+COMPOSITION_TYPES: tuple[CompositionType, ...] = get_args(CompositionType)
 """The types of Elhage et al.'s Q-, K- and V-composition: an earlier head's output read by a later head."""
 DEFAULT_TYPES = COMPOSITION_TYPES
+Processing = Literal["tl", "raw"]
+"""Which weights a head's matrices are: "tl", TransformerLens' processing (folded LayerNorm, centred writing
+weights, folded value biases); "raw", the checkpoint as stored (headgraph.loader.models)."""
 
 
 def head_name(layer: int, head: int, kv: bool = False) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import get_args
 
 import numpy as np
 import pandas as pd
@@ -21,8 +22,8 @@ from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_bases
 from headgraph.analysis.reference import (beta_parameters, histogram_edges, isotropic_log10_p, isotropic_moments,
                                           isotropic_z, kl_divergence, sample_isotropic_pk)
 from headgraph.analysis.subspaces import head_statistics, rank_deficient_heads
-from headgraph.analysis.options import PKOptions
-from headgraph.errors import UsageError
+from headgraph.analysis.options import Device, Dtype, PKOptions
+from headgraph.errors import UsageError, check_choice
 from headgraph.heads import COMPOSITION_TYPES, WEIGHT_TYPES, head_name, parse_types
 from headgraph.runs import AnalysisResult, Dims, ModelInfo, RunRecord
 from headgraph.settings import AnalyzeOptions
@@ -30,7 +31,7 @@ from headgraph.stages import Context, run_stages
 
 __all__ = ["AnalysisResult", "compute_pk", "checked_pk_options", "run_pk"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in get_args(Dtype)}
 
 
 @dataclass
@@ -42,12 +43,11 @@ class TypePairEdges:
     columns: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def resolve_device(device: str | None) -> str:
+def resolve_device(device: Device | None) -> Device:
     """None -> CUDA when present, else CPU; an explicit 'cuda' without CUDA is a usage error."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_choice(device, Device, "device")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
     return device
@@ -56,8 +56,6 @@ def resolve_device(device: str | None) -> str:
 def checked_pk_options(options: PKOptions) -> PKOptions:
     """`options` as the PK stages run them: the types parsed, the device resolved (the one place it is) and the
     memory budget in whole bytes; a setting they cannot run with raises UsageError, before any work."""
-    if options.dtype not in DTYPES:
-        raise UsageError(f"--dtype must be float32 or float64, got {options.dtype!r}")
     if options.null_heads < 2 or options.reference_samples < 100:
         raise UsageError("null_heads must be >= 2 and reference_samples >= 100")
     return dataclasses.replace(options, types=parse_types(options.types), device=resolve_device(options.device),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from headgraph.analysis.options import CausalOptions, PKOptions, RoleOptions
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.errors import UsageError
-from headgraph.heads import DEFAULT_TYPES, parse_types
+from headgraph.heads import DEFAULT_TYPES, Processing, parse_types
 from headgraph.loader.open_store import StoreSpec
 
 
@@ -23,7 +23,7 @@ class AnalyzeOptions:
     stage options it holds (the CLI reads them)."""
 
     out_dir: str | None = None  # run folder (default runs/<run id>)
-    processing: str = "tl"  # tl: TransformerLens' folded/centred weights; raw: the checkpoint as stored
+    processing: Processing = "tl"  # tl: TransformerLens' folded/centred weights; raw: the checkpoint as stored
     pk: PKOptions = field(default_factory=PKOptions)
     roles: RoleOptions | None = field(default_factory=RoleOptions)  # None: no role tests
     causal: CausalOptions | None = field(default_factory=CausalOptions)  # None: no causal effects

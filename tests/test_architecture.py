@@ -121,6 +121,67 @@ def test_the_vocabulary_is_defined_once():
     assert [p.name for p in PACKAGE.rglob("*.py") if literal in p.read_text()] == []
 
 
+def closed_sets(source: str) -> dict[str, frozenset[str]]:
+    """{name: members} of each closed set `source` declares: a module-level `Name = Literal[...]`, whose members
+    may name another closed set of the module (Literal["auto", Kernel])."""
+    found: dict[str, frozenset[str]] = {}
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if (isinstance(target, ast.Name) and isinstance(value, ast.Subscript)
+                and isinstance(value.value, ast.Name) and value.value.id == "Literal"):
+            items = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+            found[target.id] = frozenset(
+                m for item in items
+                for m in ([item.value] if isinstance(item, ast.Constant) else found.get(getattr(item, "id", None), ())))
+    return found
+
+
+def spelled_sets(source: str, sets: dict[str, frozenset[str]]) -> list[tuple[int, str]]:
+    """(line, name) of each place `source` spells out a closed set of `sets`: a tuple, list or set display (a
+    click.Choice list, a membership test, another Literal) of string literals only, two or more, that are exactly
+    the set's members in any order. A dict keyed by the members (a value per member) is data about the set."""
+    spelled = []
+    for node in ast.walk(ast.parse(source)):
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+        if len(items) < 2 or not all(isinstance(i, ast.Constant) and isinstance(i.value, str) for i in items):
+            continue
+        members = frozenset(i.value for i in items)
+        spelled += [(node.lineno, name) for name, closed in sets.items() if members == closed]
+    return sorted(spelled)
+
+
+def test_each_closed_set_is_spelled_in_its_module_only():
+    """A closed set is a Literal declared once, in the module that checks it (headgraph.errors.check_choice);
+    elsewhere it is `typing.get_args(TheLiteral)`, never its members written out again."""
+    sources = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    declared = {(module, name): members for module, source in sources.items()
+                for name, members in closed_sets(source).items() if len(members) >= 2}
+    expected = {("analysis.options", n) for n in ("Device", "Dtype", "Kernel", "Formulation", "Correction",
+                                                  "RoleDesign", "Ablation")}
+    expected |= {("heads", "WeightType"), ("heads", "CompositionType"), ("heads", "Processing"),
+                 ("loader.open_store", "StoreKind"), ("export", "ExportFormat"), ("cli", "OutputFormat")}
+    assert expected <= set(declared)
+    twice = {name: [m for (m, n), members in declared.items() if members == closed]
+             for (module, name), closed in declared.items()}
+    assert {name: modules for name, modules in twice.items() if len(modules) > 1} == {}
+    elsewhere = {f"{module}:{line}": name for module, source in sources.items()
+                 for line, name in spelled_sets(source, {n: c for (m, n), c in declared.items() if m != module})}
+    assert elsewhere == {}
+
+
+def test_the_closed_set_check_catches_a_set_spelled_again():
+    declaring = 'from typing import Literal\nKernel = Literal["gram", "projector"]\nFormulation = Literal["auto", Kernel]\n'
+    sets = closed_sets(declaring)
+    assert sets == {"Kernel": {"gram", "projector"}, "Formulation": {"auto", "gram", "projector"}}
+    assert spelled_sets(declaring, {}) == []
+    planted = ('import click\nOPTION = click.option("--kernel", type=click.Choice(["projector", "gram"]))\n'
+               'def check(f):\n    """Is it in ("gram", "projector")? A docstring spells nothing."""\n'
+               '    if f not in ("auto", "gram", "projector"):\n        raise ValueError(f)\n'
+               '    return {"gram", "projector"}, {"gram": 1, "projector": 2}[f], f == "gram", ("gram", "x"), ("gram",)\n')
+    assert spelled_sets(planted, sets) == [(2, "Kernel"), (5, "Formulation"), (7, "Kernel")]
+
+
 CYPHER = re.compile(r"\b(?:MATCH|MERGE|CREATE)\s*\(|\bDETACH\s+DELETE\b|\bRETURN\s")
 CYPHER_ROOMS = {"loader", "queries"}  # the stores and the named queries; everything else calls their functions
 

@@ -4,19 +4,25 @@ read them here (a light module: no torch, so `headgraph --help` stays fast)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import numpy as np
 
-from headgraph.errors import UsageError
+from headgraph.errors import UsageError, check_choice
 from headgraph.heads import DEFAULT_TYPES
 
 DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
-CORRECTIONS = ("none", "bh", "bonferroni")
+# The closed sets of the stage settings, declared once: the CLI's choices are their get_args, the options below
+# check them (headgraph.errors.check_choice).
+Device = Literal["cpu", "cuda"]
+Dtype = Literal["float32", "float64"]  # of the subspaces, the PK, the reference and the null
+Kernel = Literal["gram", "projector"]  # the PK engine's exact kernels (headgraph.analysis.projectors)
+Formulation = Literal["auto", Kernel]  # auto: the kernel of lower predicted time under the memory budget
+Correction = Literal["none", "bh", "bonferroni"]  # multiple-testing correction of the role tests across heads
 RoleDesign = Literal["sequential", "fixed"]
-ROLE_DESIGNS = get_args(RoleDesign)
+Ablation = Literal["resample", "mean"]  # the causal stage's counterfactual sender output
 STABILITY_VARIANTS = {
     "float64": "subspaces, PK, reference and null in float64 instead of float32 (roles and effects stay float32)",
     "rank_tol_x10": "rank tolerance x10 (more singular directions dropped)",
@@ -25,7 +31,6 @@ STABILITY_VARIANTS = {
     "inputs": "another draw of the role-test and causal inputs",
     "cuda": "computed on CUDA instead of the CPU",
 }
-ABLATIONS = ("resample", "mean")
 DEFAULT_N_BOOT = 1000  # bootstrap samples of the causal effects' intervals
 
 
@@ -35,16 +40,22 @@ class PKOptions:
 
     types: tuple[str, ...] = DEFAULT_TYPES  # weight-pair types; "oq,ok" or "all" are parsed by analyze()
     full_matrix: bool = False  # also same-layer and backward pairs
-    device: str | None = None  # None: CUDA when present, else CPU
-    dtype: str = "float32"
+    device: Device | None = None  # None: CUDA when present, else CPU
+    dtype: Dtype = "float32"
     seed: int = 0  # samplers of the references and the null
     max_memory: int = DEFAULT_MAX_MEMORY  # working-memory budget of the engine's tiles, bytes
     reference_samples: int = 100_000  # samples of the isotropic reference (KL matrix)
     null_heads: int = 200  # random heads per type of the model-matched null (n^2 pairs give p_model)
     bin_width: float = DEFAULT_BIN_WIDTH
     kl_eps: float = DEFAULT_KL_EPS
-    formulation: str = "auto"
+    formulation: Formulation = "auto"
     rank_tolerance: float = 1.0  # multiplier of the numerical-rank threshold max(d, k) * eps * sigma_max
+
+    def __post_init__(self):
+        if self.device is not None:
+            check_choice(self.device, Device, "device")
+        check_choice(self.dtype, Dtype, "dtype")
+        check_choice(self.formulation, Formulation, "formulation")
 
 
 @dataclass(frozen=True)
@@ -54,17 +65,15 @@ class RoleOptions:
     n_inputs: int = 200  # generated inputs per input set (sequential: at most)
     tau: float = 3.0  # sieve-bias threshold of the one-sided test (uniform attention scores 1)
     alpha: float = 0.05  # significance level of the decision
-    correction: str = "bh"  # multiple-testing correction across heads: none, bh, bonferroni
+    correction: Correction = "bh"
     batch_size: int = 32  # inputs per forward pass; the sequential design looks after each batch
     design: RoleDesign = "sequential"  # sequential: stop once every head is settled; fixed: t-test on n_inputs
 
     def __post_init__(self):
         if self.n_inputs < 2:
             raise UsageError(f"role tests need at least 2 inputs per input set, got n_inputs={self.n_inputs}")
-        if self.correction not in CORRECTIONS:
-            raise UsageError(f"unknown correction {self.correction!r}: use one of {', '.join(CORRECTIONS)}")
-        if self.design not in ROLE_DESIGNS:
-            raise UsageError(f"unknown role design {self.design!r}: use one of {', '.join(ROLE_DESIGNS)}")
+        check_choice(self.correction, Correction, "correction")
+        check_choice(self.design, RoleDesign, "role design")
         if not np.isfinite(self.tau):
             raise UsageError(f"--tau must be a finite sieve-bias threshold (uniform attention scores 1), got {self.tau}")
         if self.design == "sequential" and self.tau <= 0:
@@ -84,7 +93,7 @@ class CausalOptions:
 
     n_inputs: int = 24  # generated inputs per input set (decoder: IOI prompts and repeated tokens)
     inputs_file: str | None = None  # the user's texts, one a line, instead of the generated sets
-    ablation: str = "resample"  # resample: another input's sender output; mean: its mean over the inputs
+    ablation: Ablation = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
     batch_size: int = 16
     max_memory: int = 1024**3  # working bytes of one batched patching step, with the products its steps share
@@ -95,8 +104,7 @@ class CausalOptions:
     def __post_init__(self):
         if self.n_inputs < 2:
             raise UsageError(f"causal effects need at least 2 inputs per input set, got {self.n_inputs}")
-        if self.ablation not in ABLATIONS:
-            raise UsageError(f"unknown ablation {self.ablation!r}: use one of {', '.join(ABLATIONS)}")
+        check_choice(self.ablation, Ablation, "ablation")
         if self.loss_inputs is not None and self.loss_inputs < 2:
             raise UsageError(f"loss effects need at least 2 inputs per set, got --causal-loss-inputs {self.loss_inputs}")
         if self.loss_edges is not None and self.loss_edges < 1:

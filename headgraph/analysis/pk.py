@@ -35,8 +35,9 @@ import torch
 
 from headgraph.analysis import calibration, projectors
 from headgraph.analysis.calibration import Rates
-from headgraph.analysis.options import DEFAULT_MAX_MEMORY
+from headgraph.analysis.options import DEFAULT_MAX_MEMORY, Formulation
 from headgraph.analysis.projectors import FORMULATIONS
+from headgraph.errors import check_choice
 
 # A tile is split in halves until at least this fraction of its pairs is needed: the projector tile is a
 # memory-bound GEMM that wants few large tiles, the gram tile is FLOP-bound (7x less waste was 30 % faster).
@@ -304,12 +305,11 @@ def _best_candidate(formulation: str, products: list[Product], shapes: dict, d: 
 
 
 def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKRequest], itemsize: int, rates: Rates,
-            max_memory: int = DEFAULT_MAX_MEMORY, formulation: str = "auto") -> PKPlan:
+            max_memory: int = DEFAULT_MAX_MEMORY, formulation: Formulation = "auto") -> PKPlan:
     """Plan one pass over basis sets of shapes {name: (n_heads, d, k)} for `requests`: for each formulation,
     its group size under `max_memory` (_best_candidate); "auto" returns the formulation of lower predicted
     time. Raises ValueError when even one-head groups and tiles do not fit."""
-    if formulation not in ("auto", *FORMULATIONS):
-        raise ValueError(f"formulation must be 'auto', 'gram' or 'projector', got {formulation!r}")
+    check_choice(formulation, Formulation, "formulation")
     dims = {s[1] for s in shapes.values()}
     if len(dims) != 1:
         raise ValueError(f"all basis sets must share d_model, got {sorted(dims)}")

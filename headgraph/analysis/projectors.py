@@ -16,10 +16,13 @@ Composition Score uses. Nothing here loops over heads or pairs; same code on CUD
 """
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-FORMULATIONS = ("gram", "projector")
+from headgraph.analysis.options import Kernel
+
+FORMULATIONS: tuple[Kernel, ...] = get_args(Kernel)
 MIN_BLOCK = 64  # projector block size: at least this (fewer, larger GEMMs), at most d
 GRAM_TILE_BYTES = 8 * 2**20  # a gram tile's Gram block stays this small: 8 MiB blocks ran 30 % faster than 128 MiB
 

@@ -65,9 +65,9 @@ from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, missing_pair_tokens,
     repeated_token_inputs, sentence_pair_inputs,
 )
-from headgraph.analysis.options import CORRECTIONS, RoleOptions
+from headgraph.analysis.options import Correction, RoleOptions
 from headgraph.analysis.significance import benjamini_hochberg
-from headgraph.errors import ModelUnavailable, UsageError
+from headgraph.errors import ModelUnavailable, check_choice
 
 LOCAL_WINDOW = 2
 REPEAT_LENGTH = 20
@@ -198,15 +198,14 @@ def self_attention(patterns: torch.Tensor, visible: torch.Tensor) -> torch.Tenso
     return (diagonal * queries[:, None, None, :]).sum(-1) / queries.sum(-1)[:, None, None]
 
 
-def adjust_pvalues(p: np.ndarray, correction: str) -> np.ndarray:
+def adjust_pvalues(p: np.ndarray, correction: Correction) -> np.ndarray:
     """p-values adjusted across the last axis: none, bh (Benjamini-Hochberg) or bonferroni."""
+    check_choice(correction, Correction, "correction")
     if correction == "none":
         return p
     if correction == "bh":
         return benjamini_hochberg(p, axis=-1)
-    if correction == "bonferroni":
-        return np.minimum(p * p.shape[-1], 1.0)
-    raise UsageError(f"unknown correction {correction!r}: use one of {', '.join(CORRECTIONS)}")
+    return np.minimum(p * p.shape[-1], 1.0)  # bonferroni
 
 
 def ttest_scores(scores: np.ndarray, tau: float = 3.0, alpha: float = 0.05, correction: str = "bh"

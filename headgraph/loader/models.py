@@ -17,14 +17,15 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlparse
 
 import torch
 
-from headgraph.errors import BadWeights, ModelUnavailable, UsageError, first_line
+from headgraph.errors import BadWeights, ModelUnavailable, UsageError, check_choice, first_line
+from headgraph.heads import Processing
 
-PROCESSINGS = ("tl", "raw")
+PROCESSINGS: tuple[Processing, ...] = get_args(Processing)
 MINILM = "all-MiniLM-L6-v2"
 _OFFLINE_ALIASES = {MINILM.lower(): MINILM, f"sentence-transformers/{MINILM}".lower(): MINILM}
 PACKAGED_MODELS_DIR = Path(__file__).resolve().parents[1] / "data" / "models"
@@ -47,7 +48,7 @@ class LoadedModel:
     W_K: torch.Tensor
     W_V: torch.Tensor
     W_O: torch.Tensor
-    processing: str
+    processing: Processing
     bridge: Any = field(repr=False)
     tokenizer: Any = field(repr=False)
 
@@ -322,7 +323,7 @@ def _first_W_Q(bridge) -> torch.Tensor | None:
     return None if attn is None else attn.W_Q.detach().clone()
 
 
-def apply_processing(bridge, processing: str) -> list[str]:
+def apply_processing(bridge, processing: Processing) -> list[str]:
     """Apply TransformerLens' weight processing for "tl"; returns the warnings it raised (e.g. fold_ln unsupported).
 
     TransformerLens warns that an adapter "does not support fold_ln" also where the adapter folds the norms
@@ -442,7 +443,7 @@ def _bridge(model, device: str, tokenizer, name: str):
         raise ModelUnavailable(f"no tokenizer found for '{name}' ({first_line(e)}): pass tokenizer=") from None
 
 
-def _processed_bridge(bridge, processing: str):
+def _processed_bridge(bridge, processing: Processing):
     """(a bridge with `processing`'s weights, its processing warnings): the user's own when it already has
     them, else a processed copy; TransformerLens' processing cannot be undone, so "raw" of a processed bridge
     is refused."""
@@ -459,7 +460,7 @@ def _processed_bridge(bridge, processing: str):
     return own, apply_processing(own, processing)
 
 
-def load_model(model, processing: str = "tl", device: str | None = None, tokenizer=None) -> LoadedModel:
+def load_model(model, processing: Processing = "tl", device: str | None = None, tokenizer=None) -> LoadedModel:
     """Load a model by folder, packaged offline name or hub name, or take one already loaded, with
     TransformerLens ("tl") or raw weights.
 
@@ -474,8 +475,7 @@ def load_model(model, processing: str = "tl", device: str | None = None, tokeniz
     >>> bool((load_model(hf, device="cpu").W_K == load_model("induction-2l", device="cpu").W_K).all())
     True
     """
-    if processing not in PROCESSINGS:
-        raise UsageError(f"processing must be one of {', '.join(PROCESSINGS)}, got '{processing}'")
+    check_choice(processing, Processing, "processing")
     device = device or default_device()
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device '{device}' is not available here (no CUDA); use cpu")

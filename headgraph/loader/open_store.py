@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.files import writable_folder
 from headgraph.loader.store import DEFAULT_DB, GraphStore
+
+StoreKind = Literal["ladybug", "neo4j"]  # the embedded LadybugDB store, a Neo4j server
 
 
 def embedded_path(db: str | os.PathLike | None = None) -> str:
@@ -25,7 +28,7 @@ def neo4j_settings(uri: str | None = None, user: str | None = None,
             password if password is not None else env.get("NEO4J_PASSWORD", ""), env.get("NEO4J_DATABASE") or "neo4j")
 
 
-def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[str, str]:
+def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[StoreKind, str]:
     """The store the user selected, unopened: ("neo4j", URI) when a URI is given (or NEO4J_URI is set and no
     --db), else ("ladybug", path) of `db` / HEADGRAPH_DB / ./headgraph.lbdb."""
     if db is not None and not str(db).strip():

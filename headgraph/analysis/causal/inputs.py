@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headgraph.analysis.options import ABLATIONS
+from headgraph.analysis.options import Ablation
 from headgraph.analysis.prompts import TokenInputs, text_inputs
 from headgraph.analysis.roles import input_set, input_set_names
-from headgraph.errors import UsageError
+from headgraph.errors import UsageError, check_choice
 
 _RESAMPLE_STREAM = 101
 
@@ -61,9 +61,8 @@ def input_sets(inputs, what: str) -> tuple[TokenInputs, ...]:
     return sets
 
 
-def counterfactuals(sets, ablation: str, corrupted, seed: int) -> tuple[TokenInputs | None, ...]:
-    if ablation not in ABLATIONS:
-        raise UsageError(f"unknown ablation {ablation!r}: use one of {', '.join(ABLATIONS)}")
+def counterfactuals(sets, ablation: Ablation, corrupted, seed: int) -> tuple[TokenInputs | None, ...]:
+    check_choice(ablation, Ablation, "ablation")
     if ablation == "mean":
         if corrupted is not None:
             raise UsageError("corrupted inputs go with ablation 'resample'; mean ablation takes none")
