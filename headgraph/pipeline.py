@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from headgraph.analysis import significance
-from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, head_index
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, SIGNIFICANT_Q, head_index
 from headgraph.analysis.composition import composition_scores_from_factors
 from headgraph.analysis.pk import PKRequest, pair_mask, pk_pass, plan_bases
 from headgraph.analysis.reference import (beta_parameters, histogram_edges, isotropic_log10_p, isotropic_moments,
@@ -286,7 +286,7 @@ def _run_record(ctx: Context, pairs: pd.DataFrame) -> RunRecord:
         kl={"definition": "KL(P_random || P_observed) in nats on the shared histogram grid",
             "rows": list(WEIGHT_TYPES), "cols": list(WEIGHT_TYPES), "matrix": _kl_matrix(ctx)},
         mean_pk={tp: float(v) for tp, v in by_type.pk.mean().items()},
-        fraction_q_model_below_005={tp: float((q < 0.05).mean()) for tp, q in by_type.q_model},
+        fraction_q_model_below_005={tp: float((q < SIGNIFICANT_Q).mean()) for tp, q in by_type.q_model},
         null_model=ctx.null,
         nulls={
             "pk_norm": "pk / sqrt(rank_source * rank_target) (no null)",

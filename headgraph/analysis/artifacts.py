@@ -13,6 +13,8 @@ from headgraph.heads import head_name
 PAIR_COLUMNS = ["source", "target", "source_layer", "source_head", "target_layer", "target_head", "source_type",
                 "target_type", "pk", "pk_norm", "z_iso", "log10_p_iso", "p_model", "q_model", "cs"]
 HEAD_COLUMNS = ["head", "layer", "index", "rank_q", "rank_k", "rank_v", "rank_o"]
+PAIR_KEY = ["source", "target", "source_type", "target_type"]  # one pairs.parquet row; joins the effect tables
+SIGNIFICANT_Q = 0.05  # the q_model level the summaries, the stability check and the sweep report count as significant
 
 
 def head_index(n_layers: int, n_heads: int) -> dict[str, list[str] | np.ndarray]:

@@ -20,10 +20,11 @@ from scipy import stats
 
 from headgraph.analysis.bootstrap import percentile_interval, resample_counts
 from headgraph.analysis.classes import HeadClasses
+from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
-PAIR_KEYS = ("source", "target", "source_type", "target_type")  # the pairs.parquet columns evaluated on
+DEFAULT_EVAL_K = 20  # edges per type of precision@k, when the graph's selection has no top_k
 
 
 def typed_pairs(pairs: pd.DataFrame, types=COMPOSITION_TYPES) -> pd.DataFrame:
@@ -35,7 +36,7 @@ def typed_pairs(pairs: pd.DataFrame, types=COMPOSITION_TYPES) -> pd.DataFrame:
     return typed
 
 
-def top_k_edges(pairs: pd.DataFrame, metric: str, k: int = 20, types=COMPOSITION_TYPES) -> pd.DataFrame:
+def top_k_edges(pairs: pd.DataFrame, metric: str, k: int = DEFAULT_EVAL_K, types=COMPOSITION_TYPES) -> pd.DataFrame:
     """The k highest-`metric` pairs of each type (pairs where the metric is undefined are skipped)."""
     typed = typed_pairs(pairs, types).dropna(subset=[metric])
     return typed.sort_values(metric, ascending=False, kind="stable").groupby("type").head(k)
@@ -46,7 +47,7 @@ def union_heads(edges: pd.DataFrame) -> set[str]:
     return set(edges["source"]) | set(edges["target"])
 
 
-def in_class_counts(pairs: pd.DataFrame, classes: HeadClasses, metric: str, k: int = 20,
+def in_class_counts(pairs: pd.DataFrame, classes: HeadClasses, metric: str, k: int = DEFAULT_EVAL_K,
                     types=COMPOSITION_TYPES) -> dict[str, int]:
     """In-class and out-of-class head counts of the top-k union graph (the PK paper's Figure 1 statistic)."""
     heads = union_heads(top_k_edges(pairs, metric, k, types))
@@ -85,7 +86,7 @@ def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
 
 
-def evaluate_pairs(pairs: pd.DataFrame, classes: HeadClasses, k: int = 20, types=COMPOSITION_TYPES,
+def evaluate_pairs(pairs: pd.DataFrame, classes: HeadClasses, k: int = DEFAULT_EVAL_K, types=COMPOSITION_TYPES,
                    metrics=("pk", "cs")) -> pd.DataFrame:
     """One row per metric and scope (each type, then `all` pooled): pairs, positives, in/out-of-class, AUCs.
 
@@ -152,7 +153,7 @@ def _resampled_ranks(values: np.ndarray, counts: np.ndarray, work: tuple[np.ndar
     return np.take(below, item, axis=0, out=work[0], mode="clip")
 
 
-def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
+def spearman_intervals(xs, y: np.ndarray, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
                        confidence: float = 0.95) -> list[tuple[float, float, float]]:
     """Spearman's rho of each x in `xs` with y and its percentile bootstrap interval over pairs, every x on the
     same resamples (drawn once, and y ranked once in each): a resample's rho is the count-weighted Pearson
@@ -188,7 +189,7 @@ def spearman_intervals(xs, y: np.ndarray, n_boot: int = 1000, seed: int = 0,
     return results
 
 
-def causal_evaluation(pairs: pd.DataFrame, threshold: float = CAUSAL_THRESHOLD, k: int = 20, n_boot: int = 1000,
+def causal_evaluation(pairs: pd.DataFrame, threshold: float = CAUSAL_THRESHOLD, k: int = DEFAULT_EVAL_K, n_boot: int = DEFAULT_N_BOOT,
                       seed: int = 0, metrics=("pk", "cs")) -> pd.DataFrame:
     """One row per metric and type (OQ, OK, OV): pairs, causal pairs, Spearman rho(metric, effect) with its
     interval, ROC-AUC / PR-AUC at finding the causal pairs, precision of the top-k pairs by the metric and of

@@ -208,8 +208,8 @@ def adjust_pvalues(p: np.ndarray, correction: Correction) -> np.ndarray:
     return np.minimum(p * p.shape[-1], 1.0)  # bonferroni
 
 
-def ttest_scores(scores: np.ndarray, tau: float = 3.0, alpha: float = 0.05, correction: str = "bh"
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ttest_scores(scores: np.ndarray, tau: float = RoleOptions.tau, alpha: float = RoleOptions.alpha,
+                 correction: Correction = RoleOptions.correction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(mean, p, significant) per column of scores [inputs, heads]: t-test of mean > tau, decision at alpha.
 
     NaN scores (inputs without a scored query) are left out; a head whose p-value is undefined (too few
@@ -245,7 +245,8 @@ class SequentialTest:
     all are. `result` gives (mean, p, significant) per head, `seen` the inputs each head's test used.
     """
 
-    def __init__(self, n_heads: int, tau: float = 3.0, alpha: float = 0.05, correction: str = "bh",
+    def __init__(self, n_heads: int, tau: float = RoleOptions.tau, alpha: float = RoleOptions.alpha,
+                 correction: Correction = RoleOptions.correction,
                  first_look: int = 32):
         self.tau, self.alpha, self.correction = tau, alpha, correction
         self.rho = normal_mixture_rho(alpha, max(first_look, FUTILITY_MIN_INPUTS))

@@ -26,11 +26,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from headgraph.analysis.artifacts import role_names
+from headgraph.analysis.artifacts import PAIR_KEY, SIGNIFICANT_Q, role_names
 from headgraph.analysis.selection import SelectionPolicy, select_edges
 
-Q_LEVEL = 0.05
-_KEY = ["source", "target", "source_type", "target_type"]
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,9 @@ def _spearman(a: pd.Series, b: pd.Series) -> float | None:
 def compare_runs(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFrame | None, other_heads: pd.DataFrame | None,
                  policy: SelectionPolicy) -> Comparison:
     """The run's pairs / heads against a variant's (module docstring); pairs are matched on their key."""
-    merged = pairs.merge(other, on=_KEY, suffixes=("", "_other"), validate="one_to_one")
+    merged = pairs.merge(other, on=PAIR_KEY, suffixes=("", "_other"), validate="one_to_one")
     merged["kind"] = merged["source_type"] + merged["target_type"]
-    kept = {name: set(map(tuple, select_edges(frame, policy)[_KEY].values)) for name, frame in
+    kept = {name: set(map(tuple, select_edges(frame, policy)[PAIR_KEY].values)) for name, frame in
             (("run", pairs), ("other", other))}
     rows = []
     for kind, part in merged.groupby("kind", sort=True):
@@ -66,7 +64,7 @@ def compare_runs(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFrame |
                "jaccard": len(mine & theirs) / len(union) if union else None, "edges_only_run": len(mine - theirs),
                "edges_only_variant": len(theirs - mine)}
         if "q_model" in part and "q_model_other" in part:
-            row["significance_flips"] = int(((part["q_model"] <= Q_LEVEL) != (part["q_model_other"] <= Q_LEVEL)).sum())
+            row["significance_flips"] = int(((part["q_model"] <= SIGNIFICANT_Q) != (part["q_model_other"] <= SIGNIFICANT_Q)).sum())
         rows.append(row)
     roles = []
     if heads is not None and other_heads is not None:

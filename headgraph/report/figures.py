@@ -28,6 +28,7 @@ from matplotlib.transforms import Affine2D  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from headgraph.analysis.artifacts import role_names  # noqa: E402
+from headgraph.analysis.options import RoleOptions  # noqa: E402
 from headgraph.analysis.reference import beta_parameters  # noqa: E402
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES, head_name  # noqa: E402
 
@@ -381,7 +382,7 @@ def cell_labels(ax, xy, texts, colors, fontsize):
     return labels
 
 
-def role_heatmaps(heads, model, tau=3.0):
+def role_heatmaps(heads, model, tau=RoleOptions.tau):
     """Layer × head heatmap per role score column (significant heads boxed); None if no role columns.
 
     Sieve bias scores share one colour range from 0 to at least the test threshold tau (marked on the

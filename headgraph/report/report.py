@@ -23,12 +23,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from headgraph.analysis.artifacts import role_names, roles_of
+from headgraph.analysis.artifacts import SIGNIFICANT_Q, role_names, roles_of
 from headgraph.analysis.causal.stage import AGREEMENT_RHO
 from headgraph.analysis.classes import default_classes
-from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, causal_evaluation, causal_pairs,
+from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, DEFAULT_EVAL_K, causal_evaluation, causal_pairs,
                                            evaluate_pairs)
 from headgraph.analysis.network import head_network
+from headgraph.analysis.options import RoleOptions
 from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.heads import COMPOSITION_TYPES, TYPE_PAIRS, WEIGHT_TYPES
 from headgraph.report import figures
@@ -37,7 +38,6 @@ from headgraph.report.summary import hub_rows
 from headgraph.analysis.stability import role_flips, summary_rows
 from headgraph.runs import Run, load_run, read_stability
 
-DEFAULT_EVAL_K = 20
 FINDINGS_PER_TYPE = 3
 """Strongest edges per type in the report's findings."""
 EFFECT_COLUMNS = ("effect", "effect_loss", "effect_attr")
@@ -50,7 +50,7 @@ _EFFECT_TEXT = {
 }
 
 
-def type_summary(run, fraction=0.03, q_level=0.05):
+def type_summary(run, fraction=0.03, q_level=SIGNIFICANT_Q):
     """One row per computed type pair: PK statistics against the isotropic reference, KL, significance."""
     pairs = run.pairs.assign(type=run.pairs["source_type"] + run.pairs["target_type"])
     stats = pairs.groupby("type").agg(pairs=("pk", "size"), mean_pk=("pk", "mean"), sd_pk=("pk", "std"),
@@ -382,7 +382,7 @@ def figure_builders(run, edges, centrality, classes=None, hub_order=None, select
         if "effect_lo" in run.pairs.columns else None,
         "topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
                                                  selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
-        "roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", 3.0)),
+        "roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", RoleOptions.tau)),
         "hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
                                                  heads=hub_order),
     }

@@ -8,7 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from headgraph.analysis.artifacts import records, roles_of
+from headgraph.analysis.artifacts import PAIR_KEY, records, roles_of
 
 
 def print_roles(model: str, heads, meta: dict, console: Console, identity_map: bool = False) -> None:
@@ -86,7 +86,7 @@ def _strongest_effects(pairs, causal: dict | None) -> dict:
         return {"skipped": "not run (--no-causal)" if causal is None else causal["skipped"]}
     with_effect = pairs[pairs["effect"].notna()]
     top = with_effect.loc[with_effect.groupby(with_effect["source_type"] + with_effect["target_type"])["effect"].idxmax()]
-    columns = ["source", "target", "source_type", "target_type", "effect", "effect_lo", "effect_hi", "pk"]
+    columns = [*PAIR_KEY, "effect", "effect_lo", "effect_hi", "pk"]
     agreement = {kind: {"spearman": entry["spearman"], "edges": entry["edges"]}
                  for kind, entry in causal.get("agreement", {}).items()}  # attribution vs exact, run.json's
     return {"inputs": causal["inputs"], "strongest": records(top[[c for c in columns + ["effect_loss"] if c in top]]),
@@ -158,7 +158,7 @@ def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: fl
 
     from headgraph.analysis.artifacts import read_table
     from headgraph.analysis.classes import default_classes, load_classes
-    from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, PAIR_KEYS, causal_evaluation,
+    from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, causal_evaluation,
                                                evaluate_pairs)
     from headgraph.errors import UsageError
     from headgraph.runs import RUN_FILE, load_run
@@ -172,7 +172,7 @@ def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: fl
         pairs, model = run.pairs, run.model
         classes = load_classes(classes_name) if classes_name else default_classes(model)
     else:  # a bare pairs table
-        pairs, model = read_table(path, PAIR_KEYS), None
+        pairs, model = read_table(path, PAIR_KEY), None
         classes = load_classes(classes_name or "pk-paper")
     data = {"run": str(run_dir), "model": model, "top_k": top_k}
     if classes is not None:

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from headgraph.analysis.artifacts import SIGNIFICANT_Q
 from headgraph.heads import TYPE_PAIRS
 from headgraph.loader.store import GraphStore
 from headgraph.loader.sweeps import sweep_edges, sweep_heads, sweep_runs
 from headgraph.report.figures import TYPE_COLORS, plt, save_figure
 from headgraph.report.report import to_html, to_markdown
 
-SIGNIFICANT_Q = 0.05
 _MAX_TICKS = 8  # steps labelled one by one up to this many; matplotlib's ticks beyond
 
 
