@@ -294,7 +294,7 @@ def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
     import pandas as pd
     from torch.utils.flop_counter import FlopCounterMode
 
-    from headgraph.analysis.causal import KEY_COLUMNS, CausalStage
+    from headgraph.analysis.causal import PAIR_KEY, CausalStage
     from headgraph.analysis.options import CausalOptions
     from headgraph.analysis.roles import compute_roles
     from headgraph.loader.models import load_model
@@ -305,8 +305,8 @@ def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
     stage = CausalStage.prepare(model, CausalOptions(), seed=0)
     flops = {}
     for name, work in (("roles", lambda: compute_roles(model)),
-                       ("causal local", lambda: stage.local(pairs[KEY_COLUMNS], types, seed=0)),
-                       ("causal loss", lambda: stage.loss(pairs[KEY_COLUMNS], pairs[pairs["effect_loss"].notna()],
+                       ("causal local", lambda: stage.local(pairs[PAIR_KEY], types, seed=0)),
+                       ("causal loss", lambda: stage.loss(pairs[PAIR_KEY], pairs[pairs["effect_loss"].notna()],
                                                           seed=0))):
         with FlopCounterMode(display=False) as counter:
             work()

@@ -65,8 +65,9 @@ True
 from headgraph.analysis.causal.inputs import causal_inputs, read_texts, resample_inputs
 from headgraph.analysis.causal.local import LOCAL_COLUMNS, local_effects
 from headgraph.analysis.causal.loss import LOSS_COLUMNS, loss_effects
-from headgraph.analysis.causal.network import KEY_COLUMNS, CausalUnsupported
+from headgraph.analysis.artifacts import PAIR_KEY
+from headgraph.analysis.causal.network import CausalUnsupported
 from headgraph.analysis.causal.stage import DEFINITIONS, CausalStage, with_effects
 
-__all__ = ["DEFINITIONS", "KEY_COLUMNS", "LOCAL_COLUMNS", "LOSS_COLUMNS", "CausalStage", "CausalUnsupported",
+__all__ = ["DEFINITIONS", "PAIR_KEY", "LOCAL_COLUMNS", "LOSS_COLUMNS", "CausalStage", "CausalUnsupported",
            "causal_inputs", "local_effects", "loss_effects", "read_texts", "resample_inputs", "with_effects"]

@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY,
                                                Batch, Layer, Net, attribution, batches, carry, check_counts,
                                                coupled, input_change, network, patched_attention, progress_advance,
                                                project, receiver_layer, sender_writes)
@@ -20,7 +21,7 @@ from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES, check_type_pair, head_name
 
-LOCAL_COLUMNS = KEY_COLUMNS + ["effect", "effect_lo", "effect_hi", "effect_attr", "effect_attr_lo", "effect_attr_hi"]
+LOCAL_COLUMNS = PAIR_KEY + ["effect", "effect_lo", "effect_hi", "effect_attr", "effect_attr_lo", "effect_attr_hi"]
 
 
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:

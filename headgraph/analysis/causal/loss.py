@@ -9,10 +9,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY, KEY_COLUMNS,
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY,
                                                PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
                                                input_change, network, patched_attention, progress_advance, project,
                                                receiver_layer, sender_writes)
@@ -22,7 +23,7 @@ from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
-LOSS_COLUMNS = KEY_COLUMNS + ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
+LOSS_COLUMNS = PAIR_KEY + ["effect_loss", "effect_loss_lo", "effect_loss_hi"]
 _HEAD = re.compile(r"^L(\d+)(H|KV)(\d+)$")
 
 
@@ -40,11 +41,11 @@ def _parse_head(name, net: Net, kind: str = "O") -> tuple[int, int]:
 
 def _parse_edges(edges: pd.DataFrame, net: Net) -> list[tuple[int, int, int, int, str]]:
     """(source layer, source head, target layer, target head, "Q"/"K"/"V") of each edge row."""
-    missing = [c for c in KEY_COLUMNS if c not in edges.columns]
+    missing = [c for c in PAIR_KEY if c not in edges.columns]
     if missing:
         raise UsageError(f"edges lack the columns {', '.join(missing)} (pairs.parquet's naming)")
     parsed = []
-    for source, target, source_type, target_type in edges[KEY_COLUMNS].itertuples(index=False):
+    for source, target, source_type, target_type in edges[PAIR_KEY].itertuples(index=False):
         kind = f"{source_type}{target_type}"
         if kind not in COMPOSITION_TYPES:
             raise UsageError(f"edge {source} -> {target}: causal effects are defined for "
@@ -246,6 +247,6 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
                 num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
                 den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
     effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.causal)
-    table = edges[KEY_COLUMNS].reset_index(drop=True).copy()
+    table = edges[PAIR_KEY].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
     return table[LOSS_COLUMNS]

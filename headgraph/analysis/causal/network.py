@@ -18,7 +18,6 @@ from headgraph.heads import head_name
 
 DEFAULT_BATCH_SIZE = CausalOptions.batch_size
 DEFAULT_MAX_MEMORY = CausalOptions.max_memory
-KEY_COLUMNS = ["source", "target", "source_type", "target_type"]  # the pair key of pairs.parquet
 BOOTSTRAP_STREAM = 102  # the bootstrap's random stream beside the seed (resample ablation draws on another)
 _Z_TOLERANCE = 1e-3  # relative: recomputed vs the model's own z
 Path = Literal["recompute", "module"]

@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import CONFIDENCE
 from headgraph.analysis.causal.inputs import causal_inputs, read_texts
 from headgraph.analysis.causal.local import local_effects
 from headgraph.analysis.causal.loss import loss_effects
-from headgraph.analysis.causal.network import KEY_COLUMNS
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -60,9 +60,9 @@ DEFINITIONS = {
 def with_effects(pairs: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
     """`pairs` with the effect columns of `effects` (rows of `local_effects` or `loss_effects`) joined on the
     pair key, NaN for the pairs they do not cover; earlier columns of the same names are replaced."""
-    columns = [c for c in effects.columns if c not in KEY_COLUMNS]
+    columns = [c for c in effects.columns if c not in PAIR_KEY]
     return pairs.drop(columns=[c for c in columns if c in pairs.columns]).merge(
-        effects, on=KEY_COLUMNS, how="left", validate="many_to_one")
+        effects, on=PAIR_KEY, how="left", validate="many_to_one")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class CausalStage:
         if o.loss_edges is not None:
             chosen = chosen.groupby(chosen["source_type"] + chosen["target_type"]).head(o.loss_edges)
         sample = agreement_sample(pairs, chosen, seed) if order == "effect_attr" else chosen.iloc[:0]
-        checked = pd.concat([chosen[KEY_COLUMNS], sample[KEY_COLUMNS]], ignore_index=True)
+        checked = pd.concat([chosen[PAIR_KEY], sample[PAIR_KEY]], ignore_index=True)
         inputs = tuple(s.batch(0, min(len(s), o.loss_inputs or len(s))) for s in self.inputs)
         loss = loss_effects(self.model, inputs, checked, o.ablation, n_boot=o.n_boot, seed=seed,
                             batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
@@ -132,7 +132,7 @@ class CausalStage:
 def agreement_sample(pairs: pd.DataFrame, chosen: pd.DataFrame, seed: int) -> pd.DataFrame:
     """AGREEMENT_SAMPLE pairs per type with an attribution, drawn uniformly (numpy, seeds [seed,
     SAMPLE_STREAM]) among those not in `chosen`, in the pairs' order."""
-    rest = pairs[pairs["effect_attr"].notna()].merge(chosen[KEY_COLUMNS], on=KEY_COLUMNS, how="left",
+    rest = pairs[pairs["effect_attr"].notna()].merge(chosen[PAIR_KEY], on=PAIR_KEY, how="left",
                                                       indicator=True)
     rest = rest[rest["_merge"] == "left_only"].drop(columns="_merge")
     rng = np.random.default_rng([seed, SAMPLE_STREAM])
