@@ -231,7 +231,7 @@ class StreamedModel:
         own = f"blocks.{layer}."
         real = (own,) if self._whole_layers else (f"{own}attn.", f"{own}ln1.")
         state = {k: v if k.startswith(real) else torch.empty(v.shape, device="meta")
-                 for k, v in self.skeleton.state_dict().items()}
+                 for k, v in self.skeleton.state_dict().items() if k.startswith(own) or not k.startswith("blocks.")}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = ProcessWeights.process_weights(state, self.skeleton.cfg, adapter=self.skeleton.adapter)
