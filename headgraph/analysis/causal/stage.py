@@ -14,6 +14,7 @@ from headgraph.analysis.bootstrap import CONFIDENCE
 from headgraph.analysis.causal.inputs import causal_inputs, read_texts
 from headgraph.analysis.causal.local import local_effects
 from headgraph.analysis.causal.loss import loss_effects
+from headgraph.analysis.causal.network import ATTRIBUTION_STEPS
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -44,8 +45,9 @@ DEFINITIONS = {
                  "model's own hook_z on every batch",
     "attribution": "effect_attr, decoders: the first-order change of the next-token loss (nats per predicted "
                    "token) that the receiver's exact change causes, sum (A'_r - A_r) . dL/dA_r for Q/K (the exact "
-                   "patched attention rows) and sum dz_r . dL/dz_r for V; the gradients are read at 5 points "
-                   "(ATTRIBUTION_STEPS + 1) of the path from the clean to the counterfactual activations (every "
+                   "patched attention rows) and sum dz_r . dL/dz_r for V; the gradients are read at "
+                   f"{ATTRIBUTION_STEPS + 1} points alpha = k / {ATTRIBUTION_STEPS} of the path from the clean "
+                   "to the counterfactual activations (every "
                    "head's z moved together), and each edge, on each input, takes their mean over its own stretch "
                    "[0, c] of that path, c in [0, 1] its change's projection on the receiver's whole "
                    "counterfactual change (output metric): a small change reads the clean gradient, one as large "
