@@ -69,7 +69,7 @@ def bench_graph(n_edges: int, n_layers: int, n_heads: int) -> RunGraph:
 
 def bench(store, graph: RunGraph, batch_size: int) -> None:
     started = time.perf_counter()
-    store.load_run(graph, batch_size=batch_size)
+    store.store_run(graph, batch_size=batch_size)
     elapsed = time.perf_counter() - started
     stored = store.read("MATCH (r:Run) WHERE r.id = $run RETURN r.n_edges", {"run": RUN_ID}).rows[0][0]
     deleting = time.perf_counter()

@@ -185,7 +185,7 @@ class Run(runs.Run):
         classes = self._head_classes()
         graph = build_run_graph(self.selected, self.record, classes.labels() if classes is not None else None)
         with store_spec(store).open() as opened:
-            opened.load_run(graph)
+            opened.store_run(graph)
             return opened.description
 
     def __repr__(self) -> str:

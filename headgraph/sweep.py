@@ -18,7 +18,7 @@ in the same store and tagged with the sweep's id and the checkpoint's training s
 - Execution: worker processes (`spawn`ed, `workers` of them) or Ray tasks (`ray`: a cluster's address, the
   optional extra headgraph[ray]) compute each checkpoint's analysis and run folder (on the worker's machine)
   without touching the store; the driver stores each finished run (the embedded store has one writer) through
-  `GraphStore.load_run`, so a run is invisible until complete and a driver killed mid-load leaves a partial run
+  `GraphStore.store_run`, so a run is invisible until complete and a driver killed mid-load leaves a partial run
   that the next read-write open removes. A worker that dies or fails, or a revision neither in the cache nor on
   the hub, is reported, never retried: its checkpoint has no run in the store, the others are stored, and
   rerunning the command analyses only what is missing.
@@ -507,7 +507,7 @@ def run_sweep(checkpoints: list[Checkpoint], options: SweepOptions, label: str =
                     failures.append(f"{checkpoint.describe()}: {failure}")
                     continue
                 folder, graph = analysed
-                store.load_run(graph)
+                store.store_run(graph)
                 done.append(SweepRun(checkpoint, graph.run["id"], folder))
                 bar.advance(task)
                 console.print(f"stored {checkpoint.describe()} as run {graph.run['id']}", soft_wrap=True)

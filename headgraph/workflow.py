@@ -198,7 +198,7 @@ def store(ctx: Context) -> None:
     """The selected graph into the store: last, so a run is marked complete only when nothing after it can fail."""
     task = ctx.progress.add_task(f"storing {len(ctx.selected.edges)} edges in {ctx.store_description}", total=1)
     with ctx.options.store.open() as opened:
-        opened.load_run(ctx.graph)
+        opened.store_run(ctx.graph)
     ctx.progress.advance(task)
 
 

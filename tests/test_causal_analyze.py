@@ -108,7 +108,7 @@ def stored(request, analyzed):
     run = load_run(out)
     selected = select_graph(run.pairs, run.heads, SelectionPolicy(top_k=4))
     with open_store(neo4j=config["uri"], user=config["user"], password=config["password"]) as store:
-        store.load_run(build_run_graph(selected, run.record))
+        store.store_run(build_run_graph(selected, run.record))
         try:
             yield store, run.record.id
         finally:

@@ -40,9 +40,9 @@ def test_doctor_reads_the_embedded_store_and_counts_its_runs_by_status(tmp_path)
             raise KeyboardInterrupt
 
     with LadybugStore(path) as store:
-        store.load_run(run_graph(pairs, heads, {"id": "done", "model": "toy"}))
+        store.store_run(run_graph(pairs, heads, {"id": "done", "model": "toy"}))
         try:
-            store.load_run(run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
+            store.store_run(run_graph(pairs, heads, {"id": "half", "model": "toy"}), batch_size=8,
                            after_batch=stop_half_way, cleanup_on_error=False)
         except KeyboardInterrupt:
             pass

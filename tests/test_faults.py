@@ -176,7 +176,7 @@ def test_ctrl_c_during_the_report_stores_no_run_and_leaves_no_process(tmp_path, 
 
     path = tmp_path / "graph.lbdb"
     with LadybugStore(path) as store:
-        store.load_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}))
+        store.store_run(run_graph(*planted_pairs(), {"id": "earlier", "model": "toy"}))
     env = {**os.environ, "NEO4J_URI": ""}
     process = subprocess.Popen([sys.executable, "-c", INTERRUPT_IN_REPORT, when, "analyze", str(synthetic_dir),
                                 "--no-roles", "--no-causal", "--null-heads", "2", "--reference-samples", "100",
@@ -272,7 +272,7 @@ with LadybugStore(sys.argv[1]) as store:
     print("writing", flush=True)
     deadline = time.monotonic() + float(sys.argv[3])
     while time.monotonic() < deadline:  # each load: delete + checkpoint, load, checkpoint, mark, checkpoint
-        store.load_run(graph)
+        store.store_run(graph)
 """
 
 

@@ -41,7 +41,7 @@ def graphs():
 
 def _fill(store, graphs):
     for graph in graphs:
-        store.load_run(graph, batch_size=25)
+        store.store_run(graph, batch_size=25)
     return store
 
 

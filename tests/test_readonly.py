@@ -67,7 +67,7 @@ def dense_graph():
 def lbdb(tmp_path_factory):
     path = tmp_path_factory.mktemp("readonly") / "graph.lbdb"
     with LadybugStore(path) as store:
-        store.load_run(small_graph())
+        store.store_run(small_graph())
     return str(path)
 
 
@@ -78,7 +78,7 @@ def neo4j_args(neo4j_config):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NEO4J_PASSWORD", config["password"])
         with open_store(neo4j=config["uri"], user=config["user"], password=config["password"]) as store:
-            store.load_run(small_graph())
+            store.store_run(small_graph())
             yield ["--neo4j", config["uri"], "--neo4j-user", config["user"]]
             store.delete_run(SMALL)
 
@@ -401,7 +401,7 @@ def assert_bounded(code, out, err):
 def test_paths_on_a_dense_embedded_run_stays_under_1_gb(tmp_path):
     path = tmp_path / "dense.lbdb"
     with LadybugStore(path) as store:
-        store.load_run(dense_graph())
+        store.store_run(dense_graph())
     code, out, err, peak = run_measured([*PATHS, "--db", str(path)], tmp_path)
     assert peak < 2**30, f"peak RSS {peak / 2**20:.0f} MiB"
     assert_bounded(code, out, err)
@@ -450,7 +450,7 @@ def test_a_neo4j_read_is_held_to_the_bound_without_aborting(tmp_path, neo4j_conf
 def test_paths_on_a_dense_neo4j_run_fails_cleanly_or_answers(tmp_path, neo4j_config):
     config = neo4j_config
     with open_store(neo4j=config["uri"], user=config["user"], password=config["password"]) as store:
-        store.load_run(dense_graph())
+        store.store_run(dense_graph())
         try:
             done = headgraph(*PATHS, "--run", DENSE, "--neo4j", config["uri"], "--neo4j-user", config["user"],
                              env={"NEO4J_PASSWORD": config["password"], "HEADGRAPH_QUERY_TIMEOUT": "2"})

@@ -189,7 +189,7 @@ def test_a_stored_run_id_resolves_to_its_folder(rendered, tmp_path):
     spec = StoreSpec(db=str(tmp_path / "store.lbdb"))
     run = dataclasses.replace(RunRecord.from_json(rendered["meta"]), id="report-test-run", out_dir=str(rendered["dir"]))
     with open_store(spec.db) as store:
-        store.load_run(run_graph(rendered["pairs"], rendered["heads"], run, SelectionPolicy(top_k=2)))
+        store.store_run(run_graph(rendered["pairs"], rendered["heads"], run, SelectionPolicy(top_k=2)))
     assert resolve_run_dir("report-test-run", spec) == rendered["dir"]
     with pytest.raises(UsageError, match="neither a run folder nor a run id"):
         resolve_run_dir("no-such-run", spec)

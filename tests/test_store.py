@@ -60,7 +60,7 @@ def store(request, tmp_path):
 
 
 def load(store, graph, **kwargs):
-    store.load_run(graph, **kwargs)
+    store.store_run(graph, **kwargs)
 
 
 def stored_edges(store, run_id):

@@ -82,7 +82,7 @@ def graphs():
 def ladybug(graphs, tmp_path_factory):
     with LadybugStore(tmp_path_factory.mktemp("sweepq") / "graph.lbdb") as store:
         for graph in graphs:
-            store.load_run(graph)
+            store.store_run(graph)
         yield store
 
 
@@ -90,7 +90,7 @@ def ladybug(graphs, tmp_path_factory):
 def neo4j(graphs, neo4j_config):
     with open_store(neo4j=neo4j_config["uri"], user=neo4j_config["user"], password=neo4j_config["password"]) as store:
         for graph in graphs:
-            store.load_run(graph)
+            store.store_run(graph)
         yield store
         for graph in graphs:
             store.delete_run(graph.run["id"])
@@ -242,7 +242,7 @@ def test_an_embedded_store_made_before_sweeps_gains_sweep_step_and_roles(tmp_pat
     earlier.run.update(sweep=None, step=None)
     with LadybugStore(path) as store:
         for graph in (earlier, *sweep):
-            store.load_run(graph)
+            store.store_run(graph)
         rows = store.read("MATCH (r:Run) RETURN r.id AS id, r.sweep AS sweep, r.step AS step ORDER BY id").records()
         assert [(r["sweep"], r["step"]) for r in rows] == [(None, None), (SWEEP, 200), (SWEEP, 300)]
         history = run_named(store, "role-history", {"sweep": SWEEP, "role": "induction", "heads": "L4H2"}).records()

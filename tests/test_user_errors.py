@@ -197,7 +197,7 @@ def stored_run(tmp_path):
     path = tmp_path / "graph.lbdb"
     graph = run_graph(*planted_pairs(), {"id": "lower-case-types", "model": "toy"}, SelectionPolicy(20))
     with LadybugStore(path) as store:
-        store.load_run(graph)
+        store.store_run(graph)
     return str(path)
 
 

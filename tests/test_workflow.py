@@ -196,7 +196,7 @@ def test_runs_lists_and_deletes_a_stored_run_and_never_creates_a_store(tmp_path)
     pairs, heads = planted_pairs()
     db = tmp_path / "g.lbdb"
     with LadybugStore(db) as store:
-        store.load_run(run_graph(pairs, heads, {"id": "run-a", "model": "synthetic"}))
+        store.store_run(run_graph(pairs, heads, {"id": "run-a", "model": "synthetic"}))
     listed = headgraph("runs", "--db", str(db), "--format", "json")
     assert [r["id"] for r in json.loads(listed.stdout)] == ["run-a"]
     assert headgraph("runs", "delete", "run-b", "--db", str(db)).returncode == 2

@@ -312,9 +312,9 @@ class GraphStore(ABC):
     def delete_run(self, run_id: str, batch_size: int = DEFAULT_BATCH_SIZE) -> bool:
         """Remove a run (its heads, edges and Run node; its Model when no run uses it). True if it existed."""
 
-    # --- loading -------------------------------------------------------------------------------------
+    # --- storing -------------------------------------------------------------------------------------
 
-    def load_run(
+    def store_run(
         self,
         graph: RunGraph,
         batch_size: int = DEFAULT_BATCH_SIZE,
