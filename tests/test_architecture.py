@@ -208,6 +208,62 @@ def test_the_cypher_check_catches_cypher():
     assert [line for line, _ in cypher_literals(source)] == [1, 6, 6, 6]
 
 
+README = PACKAGE.parent / "README.md"
+
+
+def layout_entries(readme: str) -> dict[str, str]:
+    """The README's Layout block as {entry: its text}: an entry is a line's first word at the block's first
+    indent (`cli.py`, `loader/`, `analysis/causal/`); its text runs on over the deeper-indented lines below."""
+    block = readme.split("\n## Layout\n", 1)[1].split("```", 2)[1]
+    entries, entry = {}, None
+    for line in block.splitlines():
+        if match := re.match(r"^  (\S+)(.*)$", line):
+            entry = match.group(1)
+            entries[entry] = match.group(2)
+        elif entry and line.startswith("   "):
+            entries[entry] += " " + line.strip()
+    return entries
+
+
+def missing_from_layout(entries: dict[str, str], files: list[str]) -> list[str]:
+    """The package files (paths under headgraph/) the Layout does not name: a top-level module needs its own
+    entry; a module in a folder needs its stem in the text of the deepest folder entry above it, or, below that
+    entry, the name of its first subfolder (`neo4j_local/` naming `browser/`)."""
+    missing = []
+    for file in files:
+        parts = file.split("/")
+        if len(parts) == 1:
+            missing += [] if file in entries else [file]
+            continue
+        folders = [i for i in range(len(parts) - 1, 0, -1) if "/".join(parts[:i]) + "/" in entries]
+        if not folders:
+            missing.append(file)
+            continue
+        depth = folders[0]
+        named = Path(parts[-1]).stem if depth == len(parts) - 1 else parts[depth]
+        if parts[-1] != "__init__.py" and not re.search(rf"\b{re.escape(named)}\b", entries["/".join(parts[:depth]) + "/"]):
+            missing.append(file)
+    return missing
+
+
+def test_the_readme_layout_names_every_module_and_nothing_else():
+    entries = layout_entries(README.read_text())
+    files = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+    assert missing_from_layout(entries, files) == []
+    assert [entry for entry in entries if not (PACKAGE / entry).exists()] == []
+
+
+def test_the_layout_check_catches_an_unnamed_module():
+    readme = ("# x\n\n## Layout\n\n```\nheadgraph/\n  cli.py   the commands\n  loader/  models.py (in) ·\n"
+              "                 store.py\n  neo4j_local/  server.py, browser/\n```\n")
+    entries = layout_entries(readme)
+    assert entries == {"cli.py": "   the commands", "loader/": "  models.py (in) · store.py",
+                       "neo4j_local/": "  server.py, browser/"}
+    files = ["cli.py", "api.py", "loader/__init__.py", "loader/models.py", "loader/store.py", "loader/stream.py",
+             "neo4j_local/server.py", "neo4j_local/browser/assets_server.py", "report/report.py"]
+    assert missing_from_layout(entries, files) == ["api.py", "loader/stream.py", "report/report.py"]
+
+
 @pytest.mark.slow
 def test_the_cli_process_settings_reach_torch():
     """`headgraph` sets OMP_WAIT_POLICY (read once, when torch loads) in main(): that works only while importing

@@ -240,7 +240,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
     n = sum(len(s) for s in sets)
     num = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
-    attributed = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds} if attribution and net.causal else None
+    attributed = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds} if attribution and net.is_decoder else None
     queries, outputs, predicted = np.zeros(n), np.zeros((L, H, n)), np.zeros(n)
     advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)

@@ -81,7 +81,7 @@ def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind:
 def _plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
     """The decoder's unembedding as the torch Linear whose output is the model's logits (checked on `probe`), or
     None: an encoder, or a model that changes its logits after the unembedding (soft-capping, scaling)."""
-    linear = getattr(net.bridge.unembed, "original_component", None) if net.causal else None
+    linear = getattr(net.bridge.unembed, "original_component", None) if net.is_decoder else None
     if type(linear) is not torch.nn.Linear:
         return None
     logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
@@ -147,7 +147,7 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
 
     hooks = [hook for layer in joining for hook in ((f"blocks.{layer}.hook_resid_pre", join),
                                                      (f"blocks.{layer}.attn.hook_z", patch))]
-    if not net.causal:
+    if not net.is_decoder:
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
     elif logits is not None:
         hooks.append(("unembed.hook_in", stop))
@@ -155,7 +155,7 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
              for layer in range(min(joining), net.n_layers)] if joining else []
     try:
         out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                        return_type="logits" if net.causal and logits is None else None,
+                                        return_type="logits" if net.is_decoder and logits is None else None,
                                         **model_kwargs(net.bridge, inputs))
     finally:
         for handle in grown:
@@ -179,7 +179,7 @@ def _copies_per_pass(net: Net, length: int, max_memory: int) -> int:
     activations (the logits and logsumexp's temporary, or the MLP's 4 d_model, float32) stay within max_memory
     bytes."""
     d = net.bridge.cfg.d_model
-    width = net.bridge.cfg.d_vocab * 2 if net.causal else 4 * d
+    width = net.bridge.cfg.d_vocab * 2 if net.is_decoder else 4 * d
     return max(1, max_memory // (4 * length * (width + 8 * d)) - 1)
 
 
@@ -237,7 +237,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
             for first in range(0, len(changes), step):
                 out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
                                                   for layer, head, dz in changes[first:first + step]], logits)
-                if net.causal:
+                if net.is_decoder:
                     losses = _token_losses(out, one.input_ids[0]).sum(-1)
                     change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
                 else:
@@ -246,7 +246,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
                 edges_here = order[first:first + len(change)]
                 num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
                 den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
-    effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.causal)
+    effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.is_decoder)
     table = edges[PAIR_KEY].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
     return table[LOSS_COLUMNS]

@@ -78,7 +78,7 @@ class Net:
     n_layers: int
     n_heads: int
     n_kv_heads: int  # key/value heads: n_heads, fewer for grouped-query attention, 1 for multi-query
-    causal: bool
+    is_decoder: bool  # decoder (causal) attention: a query sees only the keys up to it
     layout: Layout
     out_norm: bool  # ln1_post normalises the attention output before the residual adds it
     path: Path
@@ -157,7 +157,7 @@ def network(model, probe: TokenInputs) -> Net:
     root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
     layout, out_norm = _layout(bridge, probe)
     net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
-              causal=cfg.attention_dir == "causal", layout=layout, out_norm=out_norm, path="recompute",
+              is_decoder=cfg.attention_dir == "causal", layout=layout, out_norm=out_norm, path="recompute",
               scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
     if n_kv == net.n_heads and layout != "resid" and not out_norm and _recomputes(net, probe):
         weights["W_V_out"] = weights["W_V"] @ root
@@ -377,7 +377,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
                 z_alt, real_alt = mean[:, None, :T].expand_as(z), real
             both = (real & real_alt)[None, :, :, None, None]
             visible = real[:, None, :].expand(-1, T, -1)
-            if net.causal:
+            if net.is_decoder:
                 visible = visible & torch.ones(T, T, dtype=torch.bool, device=z.device).tril()
             dz = torch.where(both, z_alt - z, torch.zeros_like(z))
             norms = None
