@@ -24,10 +24,10 @@ from headgraph.testing.synthetic import save_synthetic
 
 # ---------- helpers -------------------------------------------------------------------------------------------
 
-def random_visible(rng, batch, length, causal):
+def random_visible(rng, batch, length, is_decoder):
     lengths = rng.integers(3, length + 1, size=batch)
     mask = torch.arange(length)[None, :] < torch.as_tensor(lengths)[:, None]
-    return R.visible_keys(TokenInputs("t", torch.zeros(batch, length, dtype=torch.long), mask), causal)
+    return R.visible_keys(TokenInputs("t", torch.zeros(batch, length, dtype=torch.long), mask), is_decoder)
 
 
 def random_patterns(rng, visible, n_layers=2, n_heads=3):
@@ -52,10 +52,10 @@ def reference_score(rows, sieve, visible, entropy_weighted=False):
 
 # ---------- the score -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_uniform_attention_scores_one(causal):
+@pytest.mark.parametrize("is_decoder", [True, False])
+def test_uniform_attention_scores_one(is_decoder):
     rng = np.random.default_rng(0)
-    visible = random_visible(rng, 6, 9, causal)
+    visible = random_visible(rng, 6, 9, is_decoder)
     sieve = torch.as_tensor(rng.random(visible.shape) < 0.3) & visible
     patterns = (visible / visible.sum(-1, keepdim=True).clamp(min=1))[:, None, None].expand(-1, 2, 3, -1, -1)
     scores = R.sieve_scores(patterns.double(), sieve, visible)
@@ -63,10 +63,10 @@ def test_uniform_attention_scores_one(causal):
     assert defined.any() and torch.allclose(scores[defined], torch.ones_like(scores[defined]))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_all_mass_on_the_sieve_scores_n_over_sieve_size(causal):
+@pytest.mark.parametrize("is_decoder", [True, False])
+def test_all_mass_on_the_sieve_scores_n_over_sieve_size(is_decoder):
     rng = np.random.default_rng(1)
-    visible = random_visible(rng, 6, 9, causal)
+    visible = random_visible(rng, 6, 9, is_decoder)
     sieve = torch.as_tensor(rng.random(visible.shape) < 0.3) & visible
     rows = torch.where(sieve.any(-1, keepdim=True), sieve.double(), visible.double())
     patterns = (rows / rows.sum(-1, keepdim=True).clamp(min=1))[:, None, None]
@@ -77,10 +77,10 @@ def test_all_mass_on_the_sieve_scores_n_over_sieve_size(causal):
         assert scores[b].item() == pytest.approx(np.mean(ratios)) if ratios else torch.isnan(scores[b])
 
 
-@pytest.mark.parametrize("causal, entropy_weighted", [(True, False), (False, False), (False, True)])
-def test_scores_match_the_definition_on_random_patterns(causal, entropy_weighted):
+@pytest.mark.parametrize("is_decoder, entropy_weighted", [(True, False), (False, False), (False, True)])
+def test_scores_match_the_definition_on_random_patterns(is_decoder, entropy_weighted):
     rng = np.random.default_rng(2)
-    visible = random_visible(rng, 5, 8, causal)
+    visible = random_visible(rng, 5, 8, is_decoder)
     sieve = torch.as_tensor(rng.random(visible.shape) < 0.4) & visible
     patterns = random_patterns(rng, visible)
     scores = R.sieve_scores(patterns, sieve, visible, entropy_weighted)
@@ -94,7 +94,7 @@ def test_scores_match_the_definition_on_random_patterns(causal, entropy_weighted
 
 def test_self_attention_is_the_mean_diagonal_after_bos():
     rng = np.random.default_rng(3)
-    visible = random_visible(rng, 4, 7, causal=True)
+    visible = random_visible(rng, 4, 7, is_decoder=True)
     patterns = random_patterns(rng, visible)
     got = R.self_attention(patterns, visible)
     for b in range(4):
@@ -106,7 +106,7 @@ def test_self_attention_is_the_mean_diagonal_after_bos():
 
 def decoder_sieves(ids):
     x = TokenInputs("t", torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))
-    visible = R.visible_keys(x, causal=True)
+    visible = R.visible_keys(x, is_decoder=True)
     return {role.name: {i: R.role_sieve(role, x, visible)[0, i].nonzero().flatten().tolist() for i in range(len(ids))}
             for role in R.DECODER_ROLES}
 
@@ -136,7 +136,7 @@ def encoder_example():
 def encoder_sieve(name):
     x = encoder_example()
     role = next(r for r in R.ENCODER_ROLES if r.name == name)
-    return R.role_sieve(role, x, R.visible_keys(x, causal=False))[0]
+    return R.role_sieve(role, x, R.visible_keys(x, is_decoder=False))[0]
 
 
 def test_encoder_sieves():

@@ -153,11 +153,11 @@ ENCODER_ROLES = (
 )
 
 
-def visible_keys(inputs: TokenInputs, causal: bool) -> torch.Tensor:
+def visible_keys(inputs: TokenInputs, is_decoder: bool) -> torch.Tensor:
     """bool [batch, query, key]: both tokens real, and for causal models key <= query."""
     real = inputs.attention_mask.bool()
     visible = real[:, :, None] & real[:, None, :]
-    if causal:
+    if is_decoder:
         visible = visible & torch.ones(visible.shape[1:], dtype=torch.bool).tril()
     return visible
 
@@ -324,22 +324,22 @@ def input_set(model, name: str, n: int, seed: int) -> TokenInputs:
     return sentence_pair_inputs(model.tokenizer, n, seed)
 
 
-def _batch_scores(roles: tuple[Role, ...], batch: TokenInputs, patterns: torch.Tensor, causal: bool
+def _batch_scores(roles: tuple[Role, ...], batch: TokenInputs, patterns: torch.Tensor, is_decoder: bool
                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Per role, the batch's scores [inputs, layer*head]; and its self-attention [inputs, layer*head]."""
     patterns = patterns.float()
-    visible = visible_keys(batch, causal)
+    visible = visible_keys(batch, is_decoder)
     scores = {role.name: sieve_scores(patterns, role_sieve(role, batch, visible), visible, role.entropy_weighted)
               .flatten(1).cpu().double().numpy() for role in roles}
     return scores, self_attention(patterns, visible).flatten(1).cpu().double().numpy()
 
 
-def _fixed_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool, options: RoleOptions,
+def _fixed_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, is_decoder: bool, options: RoleOptions,
                  advance: Callable[[], None]) -> tuple[dict, np.ndarray, int, None]:
     """The fixed design on one input set: every input scored, then a t-test per head and role."""
     parts, selfatt = [], []
     for batch, patterns in iter_patterns(model.bridge, inputs.by_length(), options.batch_size):  # order is free
-        scores, att = _batch_scores(roles, batch, patterns, causal)
+        scores, att = _batch_scores(roles, batch, patterns, is_decoder)
         parts.append(scores)
         selfatt.append(att)
         advance()
@@ -348,7 +348,7 @@ def _fixed_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bo
     return results, np.concatenate(selfatt).mean(axis=0), len(inputs), None
 
 
-def _sequential_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causal: bool, options: RoleOptions,
+def _sequential_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, is_decoder: bool, options: RoleOptions,
                       advance: Callable[[], None]) -> tuple[dict, np.ndarray, int, dict]:
     """The sequential design on one input set: batches in the order drawn until every head is settled."""
     heads = model.cfg["n_layers"] * model.cfg["n_heads"]
@@ -357,7 +357,7 @@ def _sequential_tests(model, roles: tuple[Role, ...], inputs: TokenInputs, causa
     selfatt, used = [], 0
     while used < len(inputs) and not all(test.settled for test in tests.values()):
         batch = inputs.batch(used, min(used + options.batch_size, len(inputs)))
-        scores, att = _batch_scores(roles, batch, capture_patterns(model.bridge, batch), causal)
+        scores, att = _batch_scores(roles, batch, capture_patterns(model.bridge, batch), is_decoder)
         for name, test in tests.items():
             test.add(scores[name])
         selfatt.append(att)
@@ -408,9 +408,9 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     """
     options = RoleOptions(**settings)
     skipped = check_tokenizer(model)
-    causal = bool(model.cfg["is_decoder"])
-    roles = tuple(r for r in (DECODER_ROLES if causal else ENCODER_ROLES) if r.name not in skipped)
-    inputs = {name: input_set(model, name, options.n_inputs, seed) for name in input_set_names(causal)}
+    is_decoder = bool(model.cfg["is_decoder"])
+    roles = tuple(r for r in (DECODER_ROLES if is_decoder else ENCODER_ROLES) if r.name not in skipped)
+    inputs = {name: input_set(model, name, options.n_inputs, seed) for name in input_set_names(is_decoder)}
     batches = {name: -(-len(x) // options.batch_size) for name, x in inputs.items()}
     task = None
     if progress is not None:
@@ -423,7 +423,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     tests = _sequential_tests if options.design == "sequential" else _fixed_tests
     results, used, settled, selfatt = {}, {}, {}, None
     for name, x in inputs.items():
-        got, att, used[name], counts = tests(model, tuple(r for r in roles if r.inputs == name), x, causal, options,
+        got, att, used[name], counts = tests(model, tuple(r for r in roles if r.inputs == name), x, is_decoder, options,
                                              advance)
         results.update(got)
         settled.update(counts or {})
@@ -454,7 +454,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
                       "of the inputs up to then; inputs.n is the inputs each set used",
     }
     meta = {
-        "model_kind": "decoder" if causal else "encoder",
+        "model_kind": "decoder" if is_decoder else "encoder",
         "roles": [role.name for role in roles],
         "role_inputs": {role.name: role.inputs for role in roles},
         "inputs": {name: {"n": used[name], "n_inputs": options.n_inputs, "seed": seed} for name in inputs},
@@ -470,7 +470,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
         meta["settled"] = settled
     if skipped:
         meta["skipped_roles"] = skipped
-    if not causal:
+    if not is_decoder:
         meta["block_variants"] = {"block": "plain sieve bias ratio",
                                   "block_entropy": "ratio times the attention row's entropy in nats "
                                                    "(Pande et al.'s notebooks)"}
