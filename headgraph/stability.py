@@ -12,7 +12,7 @@ from rich.console import Console
 
 from headgraph.analysis.options import STABILITY_VARIANTS, CausalOptions, PKOptions, RoleOptions
 from headgraph.analysis.selection import SelectionPolicy
-from headgraph.analysis.stability import compare_runs
+from headgraph.analysis.stability import compare_variant
 from headgraph.errors import UsageError
 from headgraph.runs import Run, load_run, write_stability
 from headgraph.settings import AnalyzeOptions
@@ -80,8 +80,8 @@ def run_stability(run: Run, analyze: Callable, variants=tuple(STABILITY_VARIANTS
             outcome = analyze(run.record.model.source, dataclasses.replace(options, out_dir=f"{tmp}/{name}"),
                               console=console, progress=progress)
             other = load_run(outcome.folder)
-            compared = compare_runs(run.pairs, other.pairs, run.heads if base.roles else None,
-                                    other.heads if base.roles else None, base.policy)
+            compared = compare_variant(run.pairs, other.pairs, run.heads if base.roles else None,
+                                       other.heads if base.roles else None, base.policy)
             report["variants"][name] = {"what": STABILITY_VARIANTS[name], "pairs": compared.pairs,
                                         "roles": compared.roles}
     write_stability(run.path, report)

@@ -12,7 +12,7 @@ from _fast import FLAGS, PK, PK_ONLY
 from scipy.stats import spearmanr
 
 from headgraph.analysis.selection import SelectionPolicy
-from headgraph.analysis.stability import compare_runs
+from headgraph.analysis.stability import compare_variant
 from headgraph.analysis.subspaces import orthonormal_bases
 
 
@@ -34,7 +34,7 @@ def test_comparisons_match_scipy_and_set_arithmetic():
     heads = pd.DataFrame({"head": ["L0H0", "L0H1", "L1H0"], "layer": [0, 0, 1], "index": [0, 1, 0],
                           "induction_sig": [True, False, True]})
     other_heads = heads.assign(induction_sig=[True, True, False])
-    compared = compare_runs(run, variant, heads, other_heads, SelectionPolicy(top_k=5))
+    compared = compare_variant(run, variant, heads, other_heads, SelectionPolicy(top_k=5))
     rows = {r["type"]: r for r in compared.pairs}
     for kind in "QK":
         mine, theirs = run[run.target_type == kind], variant[variant.target_type == kind]

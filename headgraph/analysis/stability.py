@@ -2,7 +2,7 @@
 another numeric precision, another rank tolerance, another seed of the null, another draw of the role and
 causal inputs (and on CUDA vs CPU where a GPU is present), compared with the run.
 
-Per weight-pair type and variant (`compare_runs`): Spearman's rho of PK and of the local causal effect between
+Per weight-pair type and variant (`compare_variant`): Spearman's rho of PK and of the local causal effect between
 the run and the variant over the same pairs; the Jaccard overlap of the selected edges (the run's policy on both);
 how many significance decisions (q_model <= 0.05) flip. Per role: how many heads' decisions flip. The report is
 kept in the run folder as stability.json (headgraph.runs). A rho of 1
@@ -13,7 +13,7 @@ and no flips say the graph does not depend on that choice; they say nothing abou
 ...                       "source_layer": 0, "target_layer": 1, "source_type": "O", "target_type": "K",
 ...                       "pk": [3.0, 2.0, 1.0], "q_model": [0.01, 0.2, 0.04]})
 >>> other = pairs.assign(pk=[3.1, 0.9, 2.0], q_model=[0.01, 0.03, 0.06])
->>> row = compare_runs(pairs, other, None, None, SelectionPolicy(top_k=1)).pairs[0]
+>>> row = compare_variant(pairs, other, None, None, SelectionPolicy(top_k=1)).pairs[0]
 >>> row["pk_spearman"], row["jaccard"], row["significance_flips"]
 (0.5, 1.0, 2)
 """
@@ -46,8 +46,8 @@ def _spearman(a: pd.Series, b: pd.Series) -> float | None:
     return float(stats.spearmanr(a[both], b[both]).statistic)
 
 
-def compare_runs(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFrame | None, other_heads: pd.DataFrame | None,
-                 policy: SelectionPolicy) -> Comparison:
+def compare_variant(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFrame | None,
+                    other_heads: pd.DataFrame | None, policy: SelectionPolicy) -> Comparison:
     """The run's pairs / heads against a variant's (module docstring); pairs are matched on their key."""
     merged = pairs.merge(other, on=PAIR_KEY, suffixes=("", "_other"), validate="one_to_one")
     merged["kind"] = merged["source_type"] + merged["target_type"]
@@ -64,7 +64,8 @@ def compare_runs(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFrame |
                "jaccard": len(mine & theirs) / len(union) if union else None, "edges_only_run": len(mine - theirs),
                "edges_only_variant": len(theirs - mine)}
         if "q_model" in part and "q_model_other" in part:
-            row["significance_flips"] = int(((part["q_model"] <= SIGNIFICANT_Q) != (part["q_model_other"] <= SIGNIFICANT_Q)).sum())
+            significant = part["q_model"] <= SIGNIFICANT_Q, part["q_model_other"] <= SIGNIFICANT_Q
+            row["significance_flips"] = int((significant[0] != significant[1]).sum())
         rows.append(row)
     roles = []
     if heads is not None and other_heads is not None:
