@@ -94,8 +94,8 @@ def load_run(folder_or_id, store=None, policy: SelectionPolicy | None = None) ->
 
 
 @dataclass(eq=False, repr=False)
-class Run(runs.Run):
-    """One analysis run in Python: the folder model (headgraph.runs.Run: `path`, `record`, `pairs`, `heads`)
+class Run(runs.RunFolder):
+    """One analysis run in Python: the folder model (headgraph.runs.RunFolder: `path`, `record`, `pairs`, `heads`)
     plus its selected graph under `policy`, selected on first use and never by recomputing PK.
 
     `classes` names the known head classes the figures colour and the store labels (ioi, pk-paper, a JSON file;

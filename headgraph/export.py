@@ -43,7 +43,7 @@ from headgraph.analysis.selection import SelectionPolicy, select_graph
 from headgraph.errors import UsageError, check_choice
 from headgraph.files import writable_folder
 from headgraph.loader.graph import head_key, model_properties, run_properties
-from headgraph.runs import Run
+from headgraph.runs import RunFolder
 
 FileFormat = Literal["graphml", "gexf", "cytoscape"]
 FolderFormat = Literal["csv", "neo4j-import"]
@@ -91,7 +91,7 @@ def neo4j_import_arguments(folder, database: str = "neo4j") -> list[str]:
             *(f"--{kind}={folder / name}" for name, kind in NEO4J_FILES.items())]
 
 
-def export_run(run: Run, policy: SelectionPolicy, fmt: ExportFormat, out) -> Exported:
+def export_run(run: RunFolder, policy: SelectionPolicy, fmt: ExportFormat, out) -> Exported:
     """Select `run`'s graph by `policy` and write it to `out` in format `fmt` (module docstring)."""
     check_choice(fmt, ExportFormat, "export format")
     out = _prepared(Path(out), folder=fmt in get_args(FolderFormat))
@@ -161,7 +161,7 @@ def _neo4j_header(rows: list[dict], fixed: dict[str, str]) -> dict[str, str]:
     return header
 
 
-def _write_neo4j_import(graph: nx.MultiDiGraph, run: Run, policy: SelectionPolicy, folder: Path) -> Exported:
+def _write_neo4j_import(graph: nx.MultiDiGraph, run: RunFolder, policy: SelectionPolicy, folder: Path) -> Exported:
     record = run_properties(run.record, policy) | {"status": "complete", "n_heads": graph.number_of_nodes(),
                                                    "n_edges": graph.number_of_edges()}
     model = model_properties(run.record)

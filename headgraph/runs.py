@@ -234,8 +234,8 @@ def write_roles(heads: pd.DataFrame, meta: dict[str, Any], out_dir) -> tuple[Pat
 
 
 @dataclass
-class Run:
-    """One analysis run as read from its folder."""
+class RunFolder:
+    """One analysis run as read from its folder (the Python API's headgraph.Run adds the graph and its views)."""
 
     path: Path
     record: RunRecord
@@ -252,7 +252,7 @@ class Run:
         return [tp for tp in TYPE_PAIRS if tp in present]
 
 
-def load_run(run_dir) -> Run:
+def load_run(run_dir) -> RunFolder:
     """Read a run folder; a missing or malformed artifact raises UsageError naming it."""
     path = Path(run_dir)
     if not path.is_dir():
@@ -266,7 +266,8 @@ def load_run(run_dir) -> Run:
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot read {path / RUN_FILE} ({e}); rerun `headgraph analyze` into '{path}'") from None
     record = RunRecord.from_json(data, str(path / RUN_FILE))
-    run = Run(path, record, read_table(path / PAIRS_FILE, PAIR_COLUMNS), read_table(path / HEADS_FILE, HEAD_COLUMNS[:3]))
+    run = RunFolder(path, record, read_table(path / PAIRS_FILE, PAIR_COLUMNS),
+                    read_table(path / HEADS_FILE, HEAD_COLUMNS[:3]))
     unreferenced = [tp for tp in run.type_pairs if tp not in record.reference_by_type]
     if unreferenced:
         raise UsageError(f"{path / RUN_FILE} lacks the isotropic reference of {', '.join(unreferenced)}; "

@@ -14,11 +14,11 @@ from headgraph.analysis.options import STABILITY_VARIANTS, CausalOptions, PKOpti
 from headgraph.analysis.selection import SelectionPolicy
 from headgraph.analysis.stability import compare_variant
 from headgraph.errors import UsageError
-from headgraph.runs import Run, load_run, write_stability
+from headgraph.runs import RunFolder, load_run, write_stability
 from headgraph.settings import AnalyzeOptions
 
 
-def rerun_options(run: Run) -> AnalyzeOptions:
+def rerun_options(run: RunFolder) -> AnalyzeOptions:
     """The settings a run was made with, read off its record (no store, no report): what `run_stability`
     varies one at a time."""
     record = run.record
@@ -63,7 +63,7 @@ def _variant(options: AnalyzeOptions, name: str) -> AnalyzeOptions | str:
     raise UsageError(f"unknown stability variant {name!r}: use {', '.join(STABILITY_VARIANTS)}")
 
 
-def run_stability(run: Run, analyze: Callable, variants=tuple(STABILITY_VARIANTS), console: Console | None = None,
+def run_stability(run: RunFolder, analyze: Callable, variants=tuple(STABILITY_VARIANTS), console: Console | None = None,
                   progress: bool = True) -> dict:
     """Recompute `run` under each variant with `analyze` (headgraph.workflow.run_analyze, passed in because the
     workflow runs this as one of its stages), compare, and write stability.json into the run folder; returns

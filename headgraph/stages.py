@@ -21,7 +21,7 @@ from rich.progress import Progress
 from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.selection import SelectedGraph
 from headgraph.loader.store import RunGraph
-from headgraph.runs import AnalysisResult, PeakRss, Run, StageRun
+from headgraph.runs import AnalysisResult, PeakRss, RunFolder, StageRun
 from headgraph.settings import AnalyzeOptions
 
 
@@ -56,7 +56,7 @@ class Context:
     role_settings: dict[str, Any] | None = None  # run.json `roles`
     causal_record: dict[str, Any] | None = None  # run.json `causal`
     selected: SelectedGraph | None = None
-    run: Run | None = None  # the run as written to its folder
+    run: RunFolder | None = None  # the run as written to its folder
     graph: RunGraph | None = None  # the rows a store writes of the selected graph
     report_files: dict[str, Path] = field(default_factory=dict)
     stages: dict[str, StageRun] = field(default_factory=dict)  # workflow's stages as run_stages measured them

@@ -24,8 +24,8 @@ from headgraph.errors import UsageError
 from headgraph.files import writable_folder
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.store import RunGraph
-from headgraph.runs import (HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, PeakRss, Run, RunRecord,
-                            StageRun, write_run)
+from headgraph.runs import (HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, PeakRss, RunFolder,
+                            RunRecord, StageRun, write_run)
 from headgraph.settings import AnalyzeOptions
 from headgraph.stages import Context, peak_rss_method, run_stages, runs_if
 
@@ -171,7 +171,7 @@ def artifacts(ctx: Context) -> None:
     ctx.result.run = _record(ctx)
     _clear_earlier_run(ctx.folder)
     write_run(ctx.result, ctx.folder)
-    ctx.run = Run(ctx.folder, ctx.result.run, ctx.result.pairs, ctx.result.heads)  # as written, not read back
+    ctx.run = RunFolder(ctx.folder, ctx.result.run, ctx.result.pairs, ctx.result.heads)  # as written, not read back
     ctx.graph = build_run_graph(ctx.selected, ctx.result.run, ctx.classes.labels() if ctx.classes else None)
 
 

@@ -107,7 +107,7 @@ def role_changes(heads_a, heads_b):
 
 
 def compare_runs(run_a, run_b, policy=SelectionPolicy(), changed=10):
-    """Compare two loaded runs (headgraph.runs.Run) of one architecture."""
+    """Compare two loaded runs (headgraph.runs.RunFolder) of one architecture."""
     check_same_architecture(run_a, run_b)
     notes = []
     for key in ("processing", "dtype"):

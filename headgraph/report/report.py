@@ -36,7 +36,7 @@ from headgraph.report import figures
 from headgraph.report.interactive import MAX_EDGES, interactive_graph
 from headgraph.report.summary import hub_rows
 from headgraph.analysis.stability import role_flips, summary_rows
-from headgraph.runs import Run, load_run, read_stability
+from headgraph.runs import RunFolder, load_run, read_stability
 
 FINDINGS_PER_TYPE = 3
 """Strongest edges per type in the report's findings."""
@@ -625,14 +625,14 @@ def report_blocks(run, selected, figs, evaluation=None, classes=None, causal_tab
 
 def render_report(run_dir, *, policy=SelectionPolicy(), classes=None, out_dir=None, advance=lambda: None,
                   selected=None):
-    """Render figures, report.md and report.html for a run folder (or a loaded Run); return {name: path}.
+    """Render figures, report.md and report.html for a run folder (or a loaded RunFolder); return {name: path}.
 
     policy: the edge selection (default: top 20 per type by PK); classes: a HeadClasses (default: the
     project's known classes for the model, if any). Output goes to out_dir (default: the run folder).
     advance() is called FIGURE_COUNT + 1 times as the work proceeds. selected: the SelectedGraph of this run
     and policy when the caller already has it (headgraph.analysis.selection.select_graph); else computed here.
     """
-    run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    run = run_dir if isinstance(run_dir, RunFolder) else load_run(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.path
     classes = classes if classes is not None else default_classes(run.model)
     selected = selected if selected is not None else select_graph(run.pairs, run.heads, policy)
