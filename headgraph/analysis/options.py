@@ -11,7 +11,7 @@ import numpy as np
 from headgraph.errors import UsageError, check_choice
 from headgraph.heads import DEFAULT_TYPES
 
-DEFAULT_MAX_MEMORY = 2 * 1024**3  # 2 GiB
+DEFAULT_PK_MEMORY = 2 * 1024**3  # 2 GiB: the PK engine's tiles (CausalOptions.max_memory: one patching step)
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 # The closed sets of the stage settings, declared once: the CLI's choices are their get_args, the options below
@@ -43,7 +43,7 @@ class PKOptions:
     device: Device | None = None  # None: CUDA when present, else CPU
     dtype: Dtype = "float32"
     seed: int = 0  # samplers of the references and the null
-    max_memory: int = DEFAULT_MAX_MEMORY  # working-memory budget of the engine's tiles, bytes
+    max_memory: int = DEFAULT_PK_MEMORY  # working-memory budget of the engine's tiles, bytes
     reference_samples: int = 100_000  # samples of the isotropic reference (KL matrix)
     null_heads: int = 200  # random heads per type of the model-matched null (n^2 pairs give p_model)
     bin_width: float = DEFAULT_BIN_WIDTH

@@ -12,7 +12,7 @@ import torch
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY,
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
                                                Batch, Layer, Net, attribution, batches, carry, check_counts,
                                                coupled, input_change, network, patched_attention, progress_advance,
                                                project, receiver_layer, sender_writes)
@@ -202,7 +202,7 @@ def _kept_budget(net: Net, sets, batch_size: int, max_memory: int) -> int:
 def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Sequence[str] = COMPOSITION_TYPES,
                   ablation: str = "resample", corrupted: TokenInputs | Sequence[TokenInputs] | None = None,
                   n_boot: int = DEFAULT_N_BOOT, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
-                  max_memory: int = DEFAULT_MAX_MEMORY, progress=None, attribution: bool = True) -> pd.DataFrame:
+                  max_memory: int = DEFAULT_PATCH_MEMORY, progress=None, attribution: bool = True) -> pd.DataFrame:
     """Local direct-path effect of every earlier -> later head pair of each type in `types` (OQ, OK, OV), and
     (a decoder, `attribution`) its attribution: the first-order change of the next-token loss that the
     receiver's exact change causes, Σ (A'_r − A_r) · ∂L/∂A_r for Q/K and Σ Δz_r · ∂L/∂z_r for V, the gradients

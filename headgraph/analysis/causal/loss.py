@@ -13,7 +13,7 @@ from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_MAX_MEMORY,
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
                                                PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
                                                input_change, network, patched_attention, progress_advance, project,
                                                receiver_layer, sender_writes)
@@ -197,7 +197,7 @@ def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
 @torch.no_grad()
 def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.DataFrame, ablation: str = "resample",
                  corrupted: TokenInputs | Sequence[TokenInputs] | None = None, n_boot: int = DEFAULT_N_BOOT,
-                 seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE, max_memory: int = DEFAULT_MAX_MEMORY,
+                 seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE, max_memory: int = DEFAULT_PATCH_MEMORY,
                  progress=None) -> pd.DataFrame:
     """Downstream effect of patching only the path s -> r.T of each edge, everything after r run on it.
 

@@ -17,7 +17,7 @@ from headgraph.errors import UsageError
 from headgraph.heads import head_name
 
 DEFAULT_BATCH_SIZE = CausalOptions.batch_size
-DEFAULT_MAX_MEMORY = CausalOptions.max_memory
+DEFAULT_PATCH_MEMORY = CausalOptions.max_memory
 BOOTSTRAP_STREAM = 102  # the bootstrap's random stream beside the seed (resample ablation draws on another)
 _Z_TOLERANCE = 1e-3  # relative: recomputed vs the model's own z
 Path = Literal["recompute", "module"]
