@@ -3,6 +3,7 @@
     python3 benchmarks/bench_causal.py                  # MiniLM (offline) and a GPT-2-small-shaped random model
     python3 benchmarks/bench_causal.py --inputs 16 --edges 3
     python3 benchmarks/bench_causal.py --analyze 3       # `headgraph analyze all-MiniLM-L6-v2`, causal on vs off
+    python3 benchmarks/bench_causal.py --gqa             # only the GPT-2 and Llama shapes' local effects
 
 For each model: `local_effects` on every OQ/OK/OV pair over N generated inputs (the role-test inputs of its
 kind: sentence pairs for MiniLM, IOI prompts + repeated random tokens for the decoder) and `loss_effects` on a
@@ -32,13 +33,19 @@ from headgraph.loader.models import load_model
 from headgraph.testing.synthetic import save_synthetic, save_synthetic_gqa
 
 
-def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
-    """Print the costs of one model; returns local_effects' seconds per pair and input."""
+def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int, local_only: bool = False) -> float:
+    """Print the costs of one model (`local_only`: local_effects without attribution only); returns
+    local_effects' seconds per pair and input."""
     inputs = causal_inputs(model, n_inputs)
     tokens = sum(int(x.attention_mask.sum()) for x in inputs)
+    n = sum(len(x.input_ids) for x in inputs)
     started = time.perf_counter()
     local = local_effects(model, inputs, n_boot=n_boot, attribution=False)
     local_s = time.perf_counter() - started
+    if local_only:
+        print(f"{name}: {n} inputs ({tokens} tokens), {len(local)} pairs")
+        print(f"  local_effects {local_s:7.2f} s = {local_s / n:.3f} s per input, {len(local) / local_s:,.0f} pairs/s")
+        return local_s / len(local) / n
     started = time.perf_counter()
     local_effects(model, inputs, n_boot=n_boot)
     attribution_s = time.perf_counter() - started - local_s  # the gradient passes and their products
@@ -46,7 +53,6 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
     started = time.perf_counter()
     loss_effects(model, inputs, edges, n_boot=n_boot)
     loss_s = time.perf_counter() - started
-    n = sum(len(x.input_ids) for x in inputs)
     print(f"{name}: {n} inputs ({tokens} tokens), {len(local)} pairs")
     print(f"  local_effects {local_s:7.2f} s = {local_s / n:.3f} s per input, {len(local) / local_s:,.0f} pairs/s")
     if model.cfg["is_decoder"]:
@@ -86,21 +92,25 @@ def main() -> None:
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap samples")
     parser.add_argument("--analyze", type=int, default=0, metavar="N",
                         help="instead: N whole `headgraph analyze all-MiniLM-L6-v2` runs each with causal on and off")
+    parser.add_argument("--gqa", action="store_true",
+                        help="only the GPT-2 and Llama shapes' local effects (no attribution, no loss effects, no "
+                             "MiniLM): the GQA / GPT-2 cost ratio")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.analyze:
         bench_analyze(args.analyze)
         return
-    bench("all-MiniLM-L6-v2", load_model("all-MiniLM-L6-v2", processing="raw", device="cpu"), args.inputs,
-          args.edges, args.boot)
+    if not args.gqa:
+        bench("all-MiniLM-L6-v2", load_model("all-MiniLM-L6-v2", processing="raw", device="cpu"), args.inputs,
+              args.edges, args.boot)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_synthetic(f"{tmp}/gpt2-small-shape", n_layers=12, n_heads=12, d_model=768, d_head=64, vocab=512)
         gpt2 = bench("GPT-2-small shape", load_model(str(folder), processing="raw", device="cpu"), args.inputs // 2,
-                     args.edges, args.boot)
+                     args.edges, args.boot, args.gqa)
         folder = save_synthetic_gqa(f"{tmp}/llama-gqa-shape", n_layers=12, n_heads=12, n_kv_heads=4, d_model=768,
                                     d_head=64, vocab=512)
         llama = bench("Llama shape (GQA, 4 KV heads)", load_model(str(folder), processing="raw", device="cpu"),
-                      args.inputs // 2, args.edges, args.boot)
+                      args.inputs // 2, args.edges, args.boot, args.gqa)
         print(f"GQA / GPT-2 local cost per pair and input: {llama / gpt2:.2f}x (goal: at most 1.5x)")
 
 

@@ -15,7 +15,7 @@ from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
                                                Batch, Layer, Net, attribution, batches, carry, check_counts,
                                                coupled, input_change, network, patched_attention, progress_advance,
-                                               project, receiver_layer, sender_writes)
+                                               project, receiver_layer, rotate, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -25,23 +25,25 @@ LOCAL_COLUMNS = PAIR_KEY + ["effect", "effect_lo", "effect_hi", "effect_attr", "
 
 
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
-    """What the local effect projects a changed input through, [H, d, e]: W_Q or W_K, and W_V R for values,
-    so that a head's changed z comes out as Δz R, whose squared norm is its output change's ||Δz W_O||²."""
+    """What the local effect projects a changed input through: W_Q [H, d, e] or W_K [KV, d, e], and W_V R
+    [H, d, e] for values (each query head's KV head's W_V), so that a query head's changed z comes out as Δz R,
+    whose squared norm is its output change's ||Δz W_O||²."""
     return net.weights["W_V_out" if kind == "V" else f"W_{kind}"][layer]
 
 
 class _FactoredWeights:
     """What `_FactoredChange` needs of the weights, the same for every batch: Γ W per (receiver layer, kind),
     with Γ = diag(γ) of the receiver's ln1 and W the `local_weight`, and c(W_O[s]) Γ W [S, e, H, e] per (sender
-    layer, sender heads, receiver layer, kind), c(W_O) = W_O with each row centred, kept while they fit `budget`
-    bytes and computed again per batch beyond that."""
+    layer, sender heads, receiver layer, kind), c(W_O) = W_O with each row centred (a LayerNorm; W_O itself
+    for an RMSNorm, `centred` False), kept while they fit `budget` bytes and computed again per batch beyond
+    that."""
 
-    def __init__(self, net: Net, kinds: Sequence[str], budget: int):
+    def __init__(self, net: Net, kinds: Sequence[str], budget: int, centred: bool):
         w_o = net.weights["W_O"]
-        self.w_o = w_o - w_o.mean(-1, keepdim=True)  # c(W_O)
-        self.budget, self.eps, self.scaled, self.kept = budget, {}, {}, {}
+        self.w_o = w_o - w_o.mean(-1, keepdim=True) if centred else w_o  # c(W_O)
+        self.budget, self.eps, self.scaled, self.kept, self.centred = budget, {}, {}, {}, centred
         for layer in range(1, net.n_layers):
-            gamma, self.eps[layer] = net.layer_norm(layer, 1)
+            gamma, self.eps[layer], _ = net.layer_norm(layer, 1)
             for kind in kinds:
                 w = local_weight(net, layer, kind)  # [H, d, e]
                 self.scaled[layer, kind] = w if gamma is None else gamma.detach().to(w)[None, :, None] * w  # Γ W
@@ -59,10 +61,11 @@ class _FactoredWeights:
 
 class _FactoredChange:
     """The receivers' projected input change LN(x + Δ) W − LN(x) W of a pre-LN model, from the senders' Δz
-    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring, σ the LayerNorm scale and γ its
-    weight, LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W = Δz c(W_O) Γ W. So the change
-    is one product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the clean term: the d × d projection
-    per sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass over the result corrects it after.
+    [b, T, S, e] instead of Δ = Δz W_O [S, b, T, d]: with c the centring (the identity for an RMSNorm), σ the
+    norm's scale and γ its weight, LN(x + Δ) − LN(x) = (1/σ' − 1/σ) γ·c(x) + γ·c(Δ)/σ', and γ·c(Δ) W =
+    Δz c(W_O) Γ W. So the change is one product of Δz/σ' with c(W_O) Γ W plus one fused multiply-add of the
+    clean term: the d × d projection per sender becomes an e × (H e) one (d/e times fewer FLOPs), and no pass
+    over the result corrects it after.
     The result equals `project` of `input_change` up to rounding (tested against it and against hooked runs).
 
     `clean` caches the batch's sender-independent terms, c(x) and var(x) per receiver layer and c(x) Γ W per
@@ -73,14 +76,14 @@ class _FactoredChange:
         self.weights, self.batch, self.sender_layer, self.heads, self.clean = weights, batch, sender_layer, heads, clean
         self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
         self.delta = delta
-        self.delta_var = delta.var(-1, correction=0)  # [S, b, T]
+        self.delta_var = delta.var(-1, correction=0) if weights.centred else delta.pow(2).mean(-1)  # [S, b, T]
         self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Δz/σ' [b, T, S, e] and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
         if layer not in self.clean:
             x = self.batch.resid[layer]
-            centred = x - x.mean(-1, keepdim=True)
+            centred = x - x.mean(-1, keepdim=True) if self.weights.centred else x
             self.clean[layer] = (centred, centred.pow(2).mean(-1))
         if layer not in self.scales:
             centred, var = self.clean[layer]
@@ -102,11 +105,18 @@ class _FactoredChange:
 
 def patched_pattern(net: Net, recv: Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
     """Attention [S, b, h, T, T] of the receiver heads `heads` when only their queries (kind Q) or keys (K)
-    change by d [S, b, T, h, e] (the changed input, projected)."""
+    change by d [S, b, T, h, e] (the changed input, projected; rotated here as the receiver's are). On a
+    grouped-query model `heads` and d's heads are KV heads for K, and the rows are their query heads'."""
+    d = rotate(recv.rotary, d)
     if kind == "Q":  # the score scale on the small clean side, the clean scores added in place
         change = torch.einsum("sbqhe,bkhe->sbhqk", d, recv.k[:, :, heads] * net.scale)
-    else:
+    elif net.kv_group == 1:
         change = torch.einsum("bqhe,sbkhe->sbhqk", recv.q[:, :, heads] * net.scale, d)
+    else:  # each KV head's change read by the queries of its group
+        G = net.kv_group
+        heads = slice(*(None if end is None else end * G for end in (heads.start, heads.stop)))
+        q = recv.q[:, :, heads].unflatten(2, (-1, G)) * net.scale
+        change = torch.einsum("bqgne,sbkge->sbgnqk", q, d).flatten(2, 3)
     return torch.softmax(change.add_(recv.scores[:, heads]), -1)
 
 
@@ -130,22 +140,32 @@ def _attribution(batch: Batch, layer: int, change: torch.Tensor, kind: str) -> t
 
 def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-input numerator [S, H, b] of the local effect of the senders behind d (their input change projected
-    through `local_weight` [S, b, T, H, e], of kind `kind`) on every receiver head, and of its attribution."""
+    """Per-input numerator [S, R, b] of the local effect of the senders behind d (their input change projected
+    through `local_weight` [S, b, T, h, e], of kind `kind`) on every receiver (R query heads for Q, KV heads
+    for K/V, summed over the query heads that read each), and of its attribution."""
     if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
         change = value_change(recv, d, slice(None))
         attr = None if batch.grads is None else attribution(batch.grads[layer], change, kind, out_space=True)
         change = change.pow_(2).sum(-1)
-        return (change * batch.real[:, :, None]).sum(2).transpose(1, 2), _heads_last(attr)
-    moved = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern)
-    attr = _attribution(batch, layer, moved, kind)
-    tv = moved.abs_().sum(-1).mul_(0.5)
-    return (tv * batch.queries[:, None]).sum(-1).transpose(1, 2), _heads_last(attr)
+        sums = (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
+    else:
+        moved = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern)
+        attr = _attribution(batch, layer, moved, kind)
+        tv = moved.abs_().sum(-1).mul_(0.5)
+        sums = (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
+    attr = _heads_last(attr)
+    return _by_receiver(net, kind, sums), None if attr is None else _by_receiver(net, kind, attr)
 
 
 def _heads_last(attr: torch.Tensor | None) -> torch.Tensor | None:
     """[S, b, H] -> [S, H, b], as the local sums."""
     return None if attr is None else attr.transpose(1, 2)
+
+
+def _by_receiver(net: Net, kind: str, per_head: torch.Tensor) -> torch.Tensor:
+    """Sums [S, H, b] over the query heads that read each receiver: [S, R, b], R KV heads for K/V."""
+    group = 1 if kind == "Q" else net.kv_group
+    return per_head if group == 1 else per_head.unflatten(1, (-1, group)).sum(2)
 
 
 def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str
@@ -181,7 +201,7 @@ def _sender_bytes(net: Net, b: int, T: int) -> int:
     """Working bytes of one sender in a batched step over b inputs of length T (float32: the sender writes, the
     patched input and its change, one projection, patched scores, rows and their difference)."""
     d, e = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2]
-    if net.path == "module":  # the patched input, q/k/v of every head, scores, pattern and their difference
+    if net.local_path == "module":  # the patched input, q/k/v of every head, scores, pattern and their difference
         return 4 * b * (4 * T * d + 2 * T * (net.n_heads + 2 * net.n_kv_heads) * e + 4 * net.n_heads * T * T)
     return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
 
@@ -243,15 +263,18 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     attributed = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds} if attribution and net.is_decoder else None
     queries, outputs, predicted = np.zeros(n), np.zeros((L, H, n)), np.zeros(n)
     advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
-    # pre-LN with torch LayerNorms: project the senders' Δz, not their d-wide writes (_FactoredChange)
-    factor = (net.path == "recompute" and not net.post_ln
-              and all(net.layer_norm(layer, 1) is not None for layer in range(1, L)))
+    # pre-LN with LayerNorms or RMSNorms of one kind: project the senders' Δz, not their d-wide writes
+    # (_FactoredChange)
+    norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
+    centring = {None if n is None else n[2] for n in norms.values()}
+    factor = bool(norms) and len(centring) == 1 and None not in centring
     kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
-    weights = _FactoredWeights(net, kinds, kept) if factor else None
-    for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None):
+    weights = _FactoredWeights(net, kinds, kept, centring.pop()) if factor else None
+    for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None,
+                         path=net.local_path):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
         predicted[batch.rows] = (batch.real[:, 1:] & batch.real[:, :-1]).sum(-1).cpu().numpy()
-        receivers = {l: receiver_layer(net, batch, l) for l in range(1, L)}
+        receivers = {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)}
         for l, recv in receivers.items():
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
         chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), max_memory - kept), {}
@@ -263,13 +286,13 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                 for layer in range(sender_layer + 1, L):
                     if factored is None:
                         delta = carry(net, batch, layer - 1, delta)
-                    if net.path == "module":
+                    if net.local_path == "module":
                         x = net.attention_input(layer, batch.resid[layer] + delta)
                     elif factored is None:
                         dx = input_change(net, batch, receivers[layer], layer, delta)
                     for kind in kinds:
                         rows = index[kind][sender_layer, heads, layer]
-                        if net.path == "module":
+                        if net.local_path == "module":
                             sums, attr = _module_sums(net, batch, receivers[layer], x, kind)
                         else:
                             d = (factored.project(layer, kind) if factored is not None

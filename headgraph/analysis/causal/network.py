@@ -21,9 +21,10 @@ DEFAULT_PATCH_MEMORY = CausalOptions.max_memory
 BOOTSTRAP_STREAM = 102  # the bootstrap's random stream beside the seed (resample ablation draws on another)
 _Z_TOLERANCE = 1e-3  # relative: recomputed vs the model's own z
 Path = Literal["recompute", "module"]
-"""How receivers are patched: headgraph's own attention from W_Q, W_K, W_V (plain scaled dot-product
-attention, batched over all senders of a layer) or the bridge's own attention modules run on patched inputs
-(rotary, grouped-query, QK-norm, ALiBi, soft-capping: whatever the model's attention does)."""
+"""How receivers are patched: headgraph's own attention from W_Q, W_K, W_V (scaled dot-product attention with
+the model's rotary positions and grouped key/value heads, batched over all senders of a layer) or the bridge's
+own attention modules run on patched inputs (QK-norm, ALiBi, soft-capping: whatever the model's attention
+does)."""
 # kwargs of a bridge attention call whose first dimension is not the batch: MPT's ALiBi bias, one per head
 _NOT_BATCHED = {"position_bias"}
 PER_ROW_HEAD = {"alibi"}  # BLOOM's ALiBi bias, [batch * heads, 1, T]
@@ -81,11 +82,13 @@ class Net:
     is_decoder: bool  # decoder (causal) attention: a query sees only the keys up to it
     layout: Layout
     out_norm: bool  # ln1_post normalises the attention output before the residual adds it
-    path: Path
+    path: Path  # loss effects' (their recompute handles plain attention only: no rotary, one KV head per head)
+    local_path: Path  # local effects': "recompute" also for rotary and grouped-query attention
+    rotary: bool  # queries and keys rotated by the cos/sin of each layer's attention call (path "recompute")
     scale: float
     weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d];
-    # path "recompute": W_V_out = W_V R [L, H, d, e], the values read so that ||Δz R|| is the output change's norm,
-    # and out_root_inverse R^-1 [L, H, e, e]
+    # local_path "recompute": W_V_out = W_V R [L, H, d, e] (W_V of each query head's KV head), the values read so
+    # that ||Δz R|| is the output change's norm, and out_root_inverse R^-1 [L, H, e, e]
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
 
     @property
@@ -114,17 +117,26 @@ class Net:
                   or getattr(bridge_norm.config, "layer_norm_folding", False))
         return wrapped if native and type(wrapped) is torch.nn.LayerNorm else None
 
-    def layer_norm(self, layer: int, which: int) -> tuple[torch.Tensor | None, float] | None:
-        """(weight γ or None, eps) where ln{which} of `layer` computes γ·c(x)/sqrt(mean(c(x)²) + eps) + β
-        with c the centring (a LayerNorm, natively or by the bridge's own forward), None otherwise (RMSNorm)."""
+    def layer_norm(self, layer: int, which: int) -> tuple[torch.Tensor | None, float, bool] | None:
+        """(weight γ or None, eps, centred) where ln{which} of `layer` computes γ·c(x)/sqrt(mean(c(x)²) + eps)
+        + β with c the centring (centred: a LayerNorm, natively or by the bridge's own forward) or the identity
+        (an RMSNorm, β = 0, γ = 1 + w for Gemma's offset weight), None for a norm of another kind."""
         wrapped = self.native_norm(layer, which)
         if wrapped is not None:
-            return wrapped.weight, wrapped.eps
+            return wrapped.weight, wrapped.eps, True
         bridge_norm = getattr(self.bridge.blocks[layer], f"ln{which}")
-        if getattr(bridge_norm, "uses_rms_norm", True):
+        rms = getattr(bridge_norm, "uses_rms_norm", None)
+        if rms is None or not hasattr(bridge_norm, "weight"):
             return None
         weight = bridge_norm.weight
-        return (1.0 + weight if bridge_norm.uses_weight_offset else weight), getattr(bridge_norm.config, "eps", 1e-5)
+        if rms:  # the eps the model's own RMSNorm adds
+            own = bridge_norm.original_component
+            eps = getattr(own, "variance_epsilon", getattr(own, "eps", getattr(bridge_norm.config, "eps", None)))
+            if not isinstance(eps, float):
+                return None
+        else:
+            eps = getattr(bridge_norm.config, "eps", 1e-5)
+        return (1.0 + weight if bridge_norm.uses_weight_offset else weight), eps, not rms
 
     def attention_input(self, layer: int, resid: torch.Tensor) -> torch.Tensor:
         """What the attention of `layer` reads when its residual input is `resid`."""
@@ -142,9 +154,11 @@ class Net:
 
 
 def network(model, probe: TokenInputs) -> Net:
-    """The Net of a LoadedModel, its path chosen on `probe` (one input): "recompute" where headgraph's own
-    attention (scaled dot products of W_Q, W_K, W_V with biases, softmax over the visible keys) reproduces the
-    model's z on every layer, else "module", the bridge's own attention modules run on patched inputs."""
+    """The Net of a LoadedModel, its paths chosen on `probe` (one input): local effects take "recompute" where
+    headgraph's own attention (scaled dot products of W_Q, W_K, W_V with biases, rotated by the model's rotary
+    cos/sin, each query head reading its KV head, softmax over the visible keys) reproduces the model's z on
+    every layer, loss effects where it does so without rotary or grouped heads; else "module", the bridge's own
+    attention modules run on patched inputs."""
     bridge = model.bridge
     cfg = bridge.cfg
     n_kv = int(cfg.n_key_value_heads or cfg.n_heads)
@@ -156,14 +170,16 @@ def network(model, probe: TokenInputs) -> Net:
             weights[f"b_{t}"] = weights[f"W_{t}"].new_zeros(weights[f"W_{t}"].shape[:2] + weights[f"W_{t}"].shape[3:])
     root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
     layout, out_norm = _layout(bridge, probe)
+    rotary = getattr(cfg, "positional_embedding_type", None) == "rotary"
     net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
               is_decoder=cfg.attention_dir == "causal", layout=layout, out_norm=out_norm, path="recompute",
-              scale=1.0 / math.sqrt(cfg.d_head), weights=weights, out_root=root)
-    if n_kv == net.n_heads and layout != "resid" and not out_norm and _recomputes(net, probe):
-        weights["W_V_out"] = weights["W_V"] @ root
+              local_path="recompute", rotary=rotary, scale=1.0 / math.sqrt(cfg.d_head), weights=weights,
+              out_root=root)
+    if layout != "resid" and not out_norm and _recomputes(net, probe):
+        weights["W_V_out"] = weights["W_V"].repeat_interleave(net.kv_group, 1) @ root
         weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
-        return net
-    return dataclasses.replace(net, path="module")
+        return net if n_kv == net.n_heads and not rotary else dataclasses.replace(net, path="module")
+    return dataclasses.replace(net, path="module", local_path="module")
 
 
 def _recomputes(net: Net, probe: TokenInputs) -> bool:
@@ -364,7 +380,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
         for start in range(0, len(clean_set), batch_size):
             stop = min(start + batch_size, len(clean_set))
             batch = clean_set.batch(start, stop)
-            if net.path == "module":
+            if path == "module" or net.rotary:
                 cache, calls = _captured_calls(net, batch, names)
             else:
                 (_, cache), calls = run_with_activations(net.bridge, batch, names), None
@@ -390,7 +406,8 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
                          queries=(real & (visible.sum(-1) > 1)).float(),
                          resid=[cache[f"blocks.{l}.hook_resid_pre"] for l in range(L)], z=z,
                          dz=dz, norms=norms, calls=calls,
-                         hooked=None if calls is None else {n: cache[n] for l in range(L) for n in _module_names(net, l)},
+                         hooked=None if path != "module" else {n: cache[n] for l in range(L)
+                                                               for n in _module_names(net, l)},
                          grads=_loss_gradients(net, batch, dz) if gradients else None)
             advance()
         offset += len(clean_set)
@@ -402,13 +419,47 @@ class Layer:
     own module computed it (path "module"): what patched rows are compared to."""
 
     x: torch.Tensor  # [b, T, d]: what Q, K and V read (after ln1 in a pre-LN model)
-    q: torch.Tensor  # [b, T, H, e] (path "module": as hook_q sees it)
-    k: torch.Tensor  # [b, T, H, e] (path "module": [b, T, KV, e] as hook_k sees it)
+    q: torch.Tensor  # [b, T, H, e], rotated (path "module": as hook_q sees it)
+    k: torch.Tensor  # [b, T, H, e], rotated, each query head's KV head (path "module": [b, T, KV, e], hook_k's)
     v: torch.Tensor
     scores: torch.Tensor | None  # [b, H, T, T], -inf on keys a query cannot see (path "recompute")
     pattern: torch.Tensor  # [b, H, T, T]
     z: torch.Tensor  # [b, T, H, e]
     layer: int = 0
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [b, T, 1, r] (path "recompute", rotary)
+
+
+def _rotary(net: Net, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [b, T, 1, r] of a rotary layer's attention call, as the bridge applies them to the first r of
+    each head's e dimensions (halves duplicated where they cover e / 2 of a full rotation); None without."""
+    from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
+
+    if not net.rotary or batch.calls[layer] is None:
+        return None
+    found = batch.calls[layer][1].get("position_embeddings")
+    if not isinstance(found, tuple) or len(found) != 2 or not all(torch.is_tensor(t) for t in found):
+        return None
+    cos, sin = (t.float() for t in found)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    e = net.weights["W_Q"].shape[-1]
+    if 2 * cos.shape[-1] == e and get_rotary_pct_from_config(net.bridge.cfg) == 1.0:
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    b = batch.real.shape[0]
+    return cos[:, :, None].expand(b, -1, -1, -1), sin[:, :, None].expand(b, -1, -1, -1)
+
+
+def rotate(rotary: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+    """Queries or keys x [..., b, T, h, e] rotated by cos, sin [b, T, 1, r] (rotate-half convention, the first
+    r dimensions; linear in x, so a change of the input rotates as the input does); x itself without."""
+    if rotary is None:
+        return x
+    cos, sin = rotary
+    r = cos.shape[-1]
+    rot = x[..., :r]
+    half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
+    turned = rot * cos + half * sin
+    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], -1)
 
 
 def _recompute_error(net: Net, batch: Batch, layer: int) -> tuple[Layer, float]:
@@ -416,10 +467,17 @@ def _recompute_error(net: Net, batch: Batch, layer: int) -> tuple[Layer, float]:
     w = net.weights
     x = batch.resid[layer] if net.post_ln else net.norm(layer, 1, batch.resid[layer])
     q, k, v = (torch.einsum("btd,hde->bthe", x, w[f"W_{t}"][layer]) + w[f"b_{t}"][layer] for t in "QKV")
+    rotary = _rotary(net, batch, layer)
+    if net.rotary and rotary is None:
+        return Layer(x=x, q=q, k=k, v=v, scores=None, pattern=q, z=q, layer=layer), math.inf
+    q, k = rotate(rotary, q), rotate(rotary, k)
+    if net.kv_group > 1:
+        k, v = k.repeat_interleave(net.kv_group, 2), v.repeat_interleave(net.kv_group, 2)
     scores = (torch.einsum("bqhe,bkhe->bhqk", q, k) * net.scale).masked_fill(~batch.visible[:, None], -math.inf)
     pattern = torch.softmax(scores, -1)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
-    return Layer(x=x, q=q, k=k, v=v, scores=scores, pattern=pattern, z=z, layer=layer), _z_error(batch, layer, z)
+    return (Layer(x=x, q=q, k=k, v=v, scores=scores, pattern=pattern, z=z, layer=layer, rotary=rotary),
+            _z_error(batch, layer, z))
 
 
 def _z_error(batch: Batch, layer: int, z: torch.Tensor) -> float:
@@ -427,10 +485,11 @@ def _z_error(batch: Batch, layer: int, z: torch.Tensor) -> float:
     return (z[batch.real] - own).abs().max().item() / (own.abs().max().item() + 1e-6)
 
 
-def receiver_layer(net: Net, batch: Batch, layer: int) -> Layer:
-    """The clean attention of a receiver layer; UsageError unless it reproduces the model's own z on the real
-    tokens (path "module": the module rerun on the captured call, a check that the replay is exact)."""
-    if net.path == "recompute":
+def receiver_layer(net: Net, batch: Batch, layer: int, path: Path | None = None) -> Layer:
+    """The clean attention of a receiver layer patched by `path` (default: net.path); UsageError unless it
+    reproduces the model's own z on the real tokens (path "module": the module rerun on the captured call, a
+    check that the replay is exact)."""
+    if (path or net.path) == "recompute":
         recv, error = _recompute_error(net, batch, layer)
     else:
         args, kwargs = batch.calls[layer]
