@@ -39,11 +39,11 @@ def head_name(layer: int, head: int, kv: bool = False) -> str:
     return f"L{layer}{'KV' if kv else 'H'}{head}"
 
 
-def check_type_pair(kind: str) -> str:
+def check_type_pair(type_pair: str) -> str:
     """A weight-pair type, checked (it also becomes a relationship type in Cypher)."""
-    if kind not in TYPE_PAIRS:
-        raise UsageError(f"unknown weight-pair type {kind!r}: expected one of {', '.join(TYPE_PAIRS)}")
-    return kind
+    if type_pair not in TYPE_PAIRS:
+        raise UsageError(f"unknown weight-pair type {type_pair!r}: expected one of {', '.join(TYPE_PAIRS)}")
+    return type_pair
 
 
 def parse_types(types) -> tuple[str, ...]:

@@ -160,7 +160,7 @@ def test_each_closed_set_is_spelled_in_its_module_only():
     expected = {("analysis.options", n) for n in ("Device", "Dtype", "Kernel", "Formulation", "Correction",
                                                   "RoleDesign", "Ablation")}
     expected |= {("heads", "WeightType"), ("heads", "CompositionType"), ("heads", "Processing"),
-                 ("loader.open_store", "StoreKind"), ("export", "ExportFormat"), ("cli", "OutputFormat")}
+                 ("loader.open_store", "StoreBackend"), ("export", "ExportFormat"), ("cli", "OutputFormat")}
     assert expected <= set(declared)
     twice = {name: [m for (m, n), members in declared.items() if members == closed]
              for (module, name), closed in declared.items()}

@@ -11,7 +11,7 @@ from headgraph.errors import StoreUnavailable, UsageError
 from headgraph.files import writable_folder
 from headgraph.loader.store import DEFAULT_DB, GraphStore
 
-StoreKind = Literal["ladybug", "neo4j"]  # the embedded LadybugDB store, a Neo4j server
+StoreBackend = Literal["ladybug", "neo4j"]  # the embedded LadybugDB store, a Neo4j server
 
 
 def embedded_path(db: str | os.PathLike | None = None) -> str:
@@ -28,7 +28,7 @@ def neo4j_settings(uri: str | None = None, user: str | None = None,
             password if password is not None else env.get("NEO4J_PASSWORD", ""), env.get("NEO4J_DATABASE") or "neo4j")
 
 
-def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[StoreKind, str]:
+def resolve_store(db: str | os.PathLike | None = None, neo4j: str | None = None) -> tuple[StoreBackend, str]:
     """The store the user selected, unopened: ("neo4j", URI) when a URI is given (or NEO4J_URI is set and no
     --db), else ("ladybug", path) of `db` / HEADGRAPH_DB / ./headgraph.lbdb."""
     if db is not None and not str(db).strip():
@@ -53,8 +53,8 @@ def open_store(
     read_only: bool = False,
 ) -> GraphStore:
     """Open the store the user selected (see `resolve_store`)."""
-    kind, where = resolve_store(db, neo4j)
-    if kind == "neo4j":
+    backend, where = resolve_store(db, neo4j)
+    if backend == "neo4j":
         from headgraph.loader.neo4j_store import Neo4jStore
 
         _, user, password, database = neo4j_settings(where, user, password)
@@ -79,8 +79,8 @@ class StoreSpec:
         """Fail now, with one line, if the store cannot be written later; return its description. A server or an
         existing file is opened and closed (which also removes abandoned runs); a missing file is not created,
         only its folder checked, so a failed analyze leaves no empty store behind."""
-        kind, where = resolve_store(self.db, self.neo4j)
-        if kind == "ladybug" and not os.path.exists(where):
+        backend, where = resolve_store(self.db, self.neo4j)
+        if backend == "ladybug" and not os.path.exists(where):
             folder = os.path.dirname(os.path.abspath(where))
             if not os.path.isdir(folder) or writable_folder(folder) is None:
                 raise StoreUnavailable(f"cannot create the embedded store {where}: {folder} is not a writable folder")
