@@ -319,3 +319,30 @@ def test_a_wrong_neo4j_password_is_one_clear_line(neo4j_config):
     with pytest.raises(StoreUnavailable, match="refused user") as error:
         open_store(neo4j=neo4j_config["uri"], user=neo4j_config["user"], password="definitely-wrong")
     assert "\n" not in str(error.value)
+
+
+def test_a_store_from_an_earlier_version_is_named_so_on_read_and_gains_the_columns_on_write(tables, tmp_path, capsys):
+    """A column added since the store was written (dropped here through LadybugDB itself) is no internal error
+    on a read-only query but one line, exit 3; the next read-write open adds it and the query answers."""
+    import ladybug
+
+    path = tmp_path / "older.lbdb"
+    run_id = new_run_id()
+    with LadybugStore(path) as writer:
+        writer.store_run(graph_of(tables, run_id))
+    database = ladybug.Database(str(path))
+    connection = ladybug.Connection(database)
+    connection.execute("ALTER TABLE Run DROP attr_unreliable")
+    connection.execute("CHECKPOINT")
+    connection.close()
+    database.close()
+    with LadybugStore(path, read_only=True) as reader, pytest.raises(StoreUnavailable) as refused:
+        run_named(reader, "causal-edges", {"run": run_id})
+    assert str(refused.value) == (f"LadybugDB at {path} was written by an earlier headgraph: it has no "
+                                  "attr_unreliable yet; the next analyze or sweep into it adds it (reads never "
+                                  "change the file)")
+    code, out, err = run_cli(["query", "causal-edges", "--db", str(path), "--run", run_id], capsys)
+    assert code == 3 and out == "" and err.count("\n") == 1 and "has no attr_unreliable yet" in err
+    LadybugStore(path).close()  # a read-write open brings the schema up to date
+    with LadybugStore(path, read_only=True) as reader:
+        assert "attr_reliable" in run_named(reader, "causal-edges", {"run": run_id}).columns

@@ -231,6 +231,11 @@ class LadybugStore(GraphStore):
             if message.startswith("Buffer manager exception"):
                 size = f"{READ_BUFFER_POOL >> 20} MiB " if self.read_only else ""
                 raise memory_exceeded(f"the embedded store's {size}buffer pool") from None
+            older = re.match(r"Binder exception: Cannot find property (\w+) for (\w+)\.", message)
+            if older and older.group(1) in {**RUN_PROPERTIES, **HEAD_PROPERTIES, **EDGE_PROPERTIES}:
+                raise StoreUnavailable(f"{self.description} was written by an earlier headgraph: it has no "
+                                       f"{older.group(1)} yet; the next analyze or sweep into it adds it "
+                                       "(reads never change the file)") from None
             raise UsageError(f"LadybugDB rejected the query: {message}") from None
         finally:
             self._conn.set_query_timeout(0)
