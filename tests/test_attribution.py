@@ -16,6 +16,8 @@ from headgraph.analysis.prompts import repeated_token_inputs
 from headgraph.loader.models import load_model
 from headgraph.testing.synthetic import random_gpt2_state, save_synthetic
 
+pytestmark = pytest.mark.slow  # two bridge loads, their causal stages and one TransformerLens forward per edge: 30-60 s
+
 STEPS = 4  # headgraph.analysis.causal.network.ATTRIBUTION_STEPS, as run.json's definition states it
 
 
