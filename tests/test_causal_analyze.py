@@ -179,3 +179,20 @@ def test_the_users_texts_are_the_inputs(tmp_path):
     missing = headgraph("analyze", "induction-2l", "--causal-inputs", str(tmp_path / "none.txt"), "--no-store",
                         "--out", str(tmp_path / "r2"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "none.txt" in missing.stderr
+
+
+def test_after_the_phase_change_the_circuit_is_found_the_same_way(tmp_path):
+    """The training checkpoint after the phase change (step 4000), with the default causal settings: the four
+    circuit OK edges have the four largest attributions, positive exact loss effects with lower bounds above 0,
+    and attribution ranks the checked OK edges as exact patching does (rho >= 0.9, pandas)."""
+    out = tmp_path / "run"
+    done = headgraph("analyze", "induction-2l-step4000", "--no-store", "--no-report", "--no-roles", "--out", str(out),
+                     "--top-k", "4", "--null-heads", "40", "--reference-samples", "2000")
+    assert done.returncode == 0, done.stderr
+    pairs = load_run(out).pairs
+    ok = pairs[pairs.target_type == "K"].sort_values("effect_attr", ascending=False)
+    assert set(zip(ok.source.head(4), ok.target.head(4))) == CIRCUIT
+    circuit = ok.head(4)
+    assert (circuit.effect_loss > 0).all() and (circuit.effect_loss_lo > 0).all()
+    checked = ok.dropna(subset=["effect_loss"])
+    assert len(checked) == 14 and checked[["effect_attr", "effect_loss"]].corr(method="spearman").iloc[0, 1] >= 0.9
