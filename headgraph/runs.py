@@ -72,6 +72,44 @@ so only an upper bound of a later stage's peak."""
 
 
 @dataclass(frozen=True)
+class RoleRecord:
+    """run.json `roles`: what the role tests ran with and on, and what their numbers are, as
+    headgraph.analysis.roles.compute_roles describes them. A field None was not recorded: the other model kind's
+    (decoders: repeat_length; encoders: block_variants, local_window), or nothing to say (settled, skipped_roles),
+    or a setting an older headgraph did not write."""
+
+    model_kind: str  # decoder / encoder: which roles and input sets apply
+    roles: tuple[str, ...]  # the roles tested, identity first
+    inputs: dict[str, dict[str, int]]  # per input set: n (inputs used), n_inputs (at most), seed
+    n_inputs: int
+    tau: float
+    alpha: float
+    correction: str
+    role_inputs: dict[str, str] | None = None  # role -> its input set
+    design: str | None = None
+    batch_size: int | None = None
+    test: str | None = None  # the test, in words
+    score: str | None = None  # the sieve-bias score, in words
+    identity_score: str | None = None
+    settled: dict[str, Any] | None = None  # sequential design: when each set's heads settled
+    skipped_roles: dict[str, str] | None = None  # role -> why it was not tested
+    block_variants: dict[str, str] | None = None
+    local_window: int | None = None
+    repeat_length: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The run.json `roles` object: the recorded fields only."""
+        return json_safe({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                          if getattr(self, f.name) is not None})
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoleRecord:
+        """A record from run.json's `roles` (or compute_roles' description); an unknown or missing field raises
+        TypeError."""
+        return cls(**{**data, "roles": tuple(data["roles"])})
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """Everything run.json says about one analysis. `id`, `out_dir` and `selection` are set once the run has
     a place (headgraph.workflow); `roles` holds the role tests' settings when roles were computed, `causal` the
@@ -108,7 +146,7 @@ class RunRecord:
     id: str | None = None
     out_dir: str | None = None
     selection: str | None = None
-    roles: dict[str, Any] | None = None
+    roles: RoleRecord | None = None
     causal: dict[str, Any] | None = None
     """The causal stage's inputs, settings and definitions, or why it was skipped (None: not run)."""
     sweep: str | None = None
@@ -133,6 +171,7 @@ class RunRecord:
         data = {_JSON_NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
         data.update(model=dataclasses.asdict(self.model), dims=dataclasses.asdict(self.dims),
                     types=list(self.types), processing_warnings=list(self.processing_warnings),
+                    roles=None if self.roles is None else self.roles.to_json(),
                     stages={name: dataclasses.asdict(stage) for name, stage in self.stages.items()})
         return json_safe(data)
 
@@ -162,6 +201,7 @@ class RunRecord:
             values.update(model=ModelInfo(**values["model"]), dims=Dims(**values["dims"]),
                           types=tuple(values["types"]),
                           processing_warnings=tuple(values.get("processing_warnings", ())),
+                          roles=None if values.get("roles") is None else RoleRecord.from_json(values["roles"]),
                           stages={name: StageRun(**stage) for name, stage in values.get("stages", {}).items()})
             return cls(**values)
         except (KeyError, TypeError, AttributeError) as e:

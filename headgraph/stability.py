@@ -27,8 +27,8 @@ def rerun_options(run: RunFolder) -> AnalyzeOptions:
                    null_heads=record.null_model["null_heads"])
     roles = None
     if record.roles:
-        roles = RoleOptions(**{f.name: record.roles[f.name] for f in dataclasses.fields(RoleOptions)
-                               if f.name in record.roles})
+        recorded = {f.name: getattr(record.roles, f.name) for f in dataclasses.fields(RoleOptions)}
+        roles = RoleOptions(**{name: value for name, value in recorded.items() if value is not None})
     causal = None
     if record.has_effects:
         per_set = list(record.causal["inputs"].values())

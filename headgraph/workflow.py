@@ -24,8 +24,8 @@ from headgraph.errors import UsageError
 from headgraph.files import writable_folder
 from headgraph.loader.graph import build_run_graph
 from headgraph.loader.store import RunGraph
-from headgraph.runs import (HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, PeakRss, RunFolder,
-                            RunRecord, StageRun, write_run)
+from headgraph.runs import (HEADS_FILE, PAIRS_FILE, RUN_FILE, STABILITY_FILE, AnalysisResult, PeakRss, RoleRecord,
+                            RunFolder, RunRecord, StageRun, write_run)
 from headgraph.settings import AnalyzeOptions
 from headgraph.stages import Context, peak_rss_method, run_stages, runs_if
 
@@ -162,7 +162,8 @@ def _record(ctx: Context) -> RunRecord:
     options = ctx.options
     return dataclasses.replace(ctx.result.run, id=ctx.run_id, out_dir=str(ctx.folder.resolve()),
                                selection=options.policy.describe(), sweep=options.sweep, step=options.step,
-                               roles=ctx.role_settings, causal=causal, stages=dict(ctx.stages),
+                               roles=None if ctx.role_settings is None else RoleRecord.from_json(ctx.role_settings),
+                               causal=causal, stages=dict(ctx.stages),
                                peak_rss=peak_rss_method())
 
 

@@ -17,7 +17,7 @@ from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
 from headgraph.pipeline import compute_pk
-from headgraph.runs import load_run, write_run
+from headgraph.runs import RoleRecord, load_run, write_run
 
 # Its own settings, not tests/_fast.py's: these tests judge significance (q_model of planted and random pairs),
 # so the null is 120 heads per type (14,400 null pairs) rather than 20, and the reference 20,000 samples.
@@ -141,6 +141,35 @@ def test_run_folders_of_earlier_formats_load_and_a_newer_one_is_one_line(random_
     assert "\n" not in str(e.value)
 
 
+
+
+# run.json `roles` as compute_roles writes it for a decoder (sequential design, nothing skipped or settled)
+DECODER_ROLES_JSON = {
+    "model_kind": "decoder", "roles": ["identity", "previous_token", "induction"],
+    "role_inputs": {"identity": "repeated_tokens", "previous_token": "repeated_tokens", "induction": "repeated_tokens"},
+    "inputs": {"repeated_tokens": {"n": 32, "n_inputs": 200, "seed": 0}}, "design": "sequential", "n_inputs": 200,
+    "tau": 3.0, "alpha": 0.05, "correction": "bh", "batch_size": 32, "test": "sequential test by betting",
+    "score": "b(i) = N_i * attention mass on the sieve / |sieve|", "identity_score": "mean attention on itself",
+    "repeat_length": 20}
+
+
+def test_the_roles_record_is_typed_and_run_json_keeps_its_keys(random_model, tmp_path):
+    result = compute_pk(random_model, types=("OQ",), **SIGNIFICANCE)
+    roles = RoleRecord.from_json(DECODER_ROLES_JSON)
+    assert roles.roles == ("identity", "previous_token", "induction") and roles.tau == 3.0
+    assert roles.skipped_roles is None and roles.block_variants is None  # not recorded for this run
+    result.run = dataclasses.replace(result.run, roles=roles)
+    folder = write_run(result, tmp_path / "run")
+    assert json.loads((folder / "run.json").read_text())["roles"] == DECODER_ROLES_JSON
+    assert load_run(folder).record == result.run
+    older = {k: v for k, v in DECODER_ROLES_JSON.items() if k not in ("design", "batch_size", "role_inputs")}
+    written = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**written, "roles": older}))
+    assert load_run(folder).record.roles.design is None  # an older run's roles: what it recorded
+    (folder / "run.json").write_text(json.dumps({**written, "roles": {**DECODER_ROLES_JSON, "taus": 3}}))
+    with pytest.raises(UsageError, match="is not a headgraph run record .*taus") as e:
+        load_run(folder)
+    assert "\n" not in str(e.value)
 
 
 def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_path, capsys):

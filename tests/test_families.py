@@ -112,7 +112,7 @@ def test_every_role_of_the_model_kind_is_tested(runs, name):
     run = runs(name)
     layers, heads, _ = SHAPES[name]
     expected = ENCODER_ROLES if name in ENCODERS else DECODER_ROLES
-    assert set(run.record.roles["roles"]) == expected and "skipped_roles" not in run.record.roles
+    assert set(run.record.roles.roles) == expected and run.record.roles.skipped_roles is None
     assert len(run.heads) == layers * heads
     for role in expected:
         assert run.heads[f"{role}_p"].between(0, 1).all(), role
@@ -131,9 +131,9 @@ def test_an_encoder_tokenizer_without_cls_and_sep_skips_their_roles_and_says_why
                             **{k: v for k, v in FAST.items() if not k.startswith("causal_")})
     skipped = {"cls": "the tokenizer has no cls_token", "sep": "the tokenizer has no sep_token",
                "delimiter": "the tokenizer's sentence pairs contain neither a cls_token nor a sep_token"}
-    assert run.record.roles["skipped_roles"] == skipped
+    assert run.record.roles.skipped_roles == skipped
     assert json.loads((run.path / "run.json").read_text())["roles"]["skipped_roles"] == skipped
-    assert set(run.record.roles["roles"]) == ENCODER_ROLES - set(skipped)
+    assert set(run.record.roles.roles) == ENCODER_ROLES - set(skipped)
     assert not [c for c in run.heads.columns if c.split("_")[0] in skipped]
     assert run.heads["block_sig"].notna().all()
 

@@ -26,8 +26,8 @@ import pandas as pd
 from headgraph.analysis.artifacts import SIGNIFICANT_Q, role_names, roles_of
 from headgraph.analysis.causal.stage import AGREEMENT_RHO
 from headgraph.analysis.classes import default_classes
-from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, DEFAULT_EVAL_K, causal_evaluation, causal_pairs,
-                                           evaluate_pairs)
+from headgraph.analysis.evaluation import (CAUSAL_DEFINITION, CAUSAL_THRESHOLD, DEFAULT_EVAL_K, causal_evaluation,
+                                           causal_pairs, evaluate_pairs)
 from headgraph.analysis.network import head_network
 from headgraph.analysis.options import RoleOptions
 from headgraph.analysis.selection import SelectionPolicy, select_graph
@@ -157,7 +157,7 @@ def findings_warnings(run):
     if not role_names(run.heads):
         warnings.append("No head roles were tested (`--no-roles`): a hub without roles here is untested, "
                         "not role-less.")
-    skipped_roles = (run.record.roles or {}).get("skipped_roles", {})
+    skipped_roles = (run.record.roles.skipped_roles if run.record.roles else None) or {}
     warnings += [f"Role `{role}` was not tested: {why}." for role, why in skipped_roles.items()]
     warnings += [f"Weight processing: {warning}" for warning in run.record.processing_warnings]
     agreement = (causal or {}).get("agreement", {})
@@ -382,7 +382,8 @@ def figure_builders(run, edges, centrality, classes=None, hub_order=None, select
         if "effect_lo" in run.pairs.columns else None,
         "topk_graph": lambda: figures.topk_graph(edges, n_layers, n_heads, model, class_sets,
                                                  selection=selection, n_kv_heads=run.record.dims.n_kv_heads),
-        "roles": lambda: figures.role_heatmaps(run.heads, model, tau=(run.record.roles or {}).get("tau", RoleOptions.tau)),
+        "roles": lambda: figures.role_heatmaps(run.heads, model,
+                                               tau=run.record.roles.tau if run.record.roles else RoleOptions.tau),
         "hubs": lambda: figures.hub_centralities(edges, model, centrality.set_index("name")[measures],
                                                  heads=hub_order),
     }
