@@ -170,6 +170,15 @@ def test_each_closed_set_is_spelled_in_its_module_only():
     assert elsewhere == {}
 
 
+def test_the_pair_key_is_spelled_once():
+    """pairs.parquet's key (source, target, source_type, target_type) is analysis.artifacts.PAIR_KEY everywhere."""
+    from headgraph.analysis.artifacts import PAIR_KEY
+
+    key = {"PAIR_KEY": frozenset(PAIR_KEY)}
+    found = [module_name(p) for p in PACKAGE.rglob("*.py") for _ in spelled_sets(p.read_text(), key)]
+    assert found == ["analysis.artifacts"]
+
+
 def test_the_closed_set_check_catches_a_set_spelled_again():
     declaring = 'from typing import Literal\nKernel = Literal["gram", "projector"]\nFormulation = Literal["auto", Kernel]\n'
     sets = closed_sets(declaring)
