@@ -21,7 +21,7 @@ import pandas as pd
 from headgraph._version import __version__
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, json_safe, read_table
 from headgraph.errors import StoreUnavailable, UsageError
-from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES
+from headgraph.heads import TYPE_PAIRS, WEIGHT_TYPES, Processing
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (0, 1, 2, 3, FORMAT_VERSION)
@@ -118,7 +118,7 @@ class RunRecord:
 
     model: ModelInfo
     dims: Dims
-    processing: str
+    processing: Processing
     device: str
     dtype: str
     seed: int
