@@ -430,8 +430,9 @@ class Layer:
 
 
 def _rotary(net: Net, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """cos, sin [b, T, 1, r] of a rotary layer's attention call, as the bridge applies them to the first r of
-    each head's e dimensions (halves duplicated where they cover e / 2 of a full rotation); None without."""
+    """(cos [b, T, 1, e] with 1 beyond the rotated dimensions, the signed sin [b, T, 1, r] = (−sin, sin) of
+    the two halves) of a rotary layer's attention call, as the bridge applies them to the first r of each
+    head's e dimensions (halves duplicated where they cover e / 2 of a full rotation); None without."""
     from transformer_lens.utilities.hf_utils import get_rotary_pct_from_config
 
     if not net.rotary or batch.calls[layer] is None:
@@ -445,21 +446,24 @@ def _rotary(net: Net, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Ten
     e = net.weights["W_Q"].shape[-1]
     if 2 * cos.shape[-1] == e and get_rotary_pct_from_config(net.bridge.cfg) == 1.0:
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    b = batch.real.shape[0]
-    return cos[:, :, None].expand(b, -1, -1, -1), sin[:, :, None].expand(b, -1, -1, -1)
+    r, shape = cos.shape[-1], (batch.real.shape[0], -1, -1, -1)
+    cos = torch.nn.functional.pad(cos, (0, e - r), value=1.0)
+    sin = torch.cat([-sin[..., :r // 2], sin[..., r // 2:]], -1)
+    return cos[:, :, None].expand(shape), sin[:, :, None].expand(shape)
 
 
 def rotate(rotary: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
-    """Queries or keys x [..., b, T, h, e] rotated by cos, sin [b, T, 1, r] (rotate-half convention, the first
-    r dimensions; linear in x, so a change of the input rotates as the input does); x itself without."""
+    """Queries or keys x [..., b, T, h, e] rotated by `_rotary`'s cos and signed sin (rotate-half convention,
+    the first r dimensions; linear in x, so a change of the input rotates as the input does); x itself
+    without. Three passes over x: x·cos, then each half's multiply-add of the other half."""
     if rotary is None:
         return x
     cos, sin = rotary
-    r = cos.shape[-1]
-    rot = x[..., :r]
-    half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
-    turned = rot * cos + half * sin
-    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], -1)
+    half = sin.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:2 * half], sin[..., :half])
+    out[..., half:2 * half].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 def _recompute_error(net: Net, batch: Batch, layer: int) -> tuple[Layer, float]:
