@@ -88,6 +88,20 @@ def _roles_seen(heads: pd.DataFrame) -> list[str]:
     return [role for role in seen if f"{role}_score" in heads]
 
 
+def _no_roles(heads: pd.DataFrame) -> str:
+    """Why a sweep shows no role: its runs tested none (no role score stored: a store's Head has the score
+    columns of every run it holds, empty for runs without roles), or no head was significant.
+
+    >>> _no_roles(pd.DataFrame({"name": ["L0H0"], "roles": [[]], "induction_score": [0.1]}))
+    'No role is significant for any head at any step (no role panel, no role emerged).'
+    >>> _no_roles(pd.DataFrame({"name": ["L0H0"], "roles": [None], "identity_score": [None]}))
+    'No role was tested (the sweep ran with --no-roles).'
+    """
+    if not heads.filter(regex="_score$").notna().to_numpy().any():
+        return "No role was tested (the sweep ran with --no-roles)."
+    return "No role is significant for any head at any step (no role panel, no role emerged)."
+
+
 def _role_heads(heads: pd.DataFrame, role: str) -> list[str]:
     """The heads for which `role` is significant at some step, by layer and index."""
     has_role = heads["roles"].map(lambda found: role in found if isinstance(found, list) else False)
@@ -171,8 +185,9 @@ def sweep_figure(data: SweepData, strongest: pd.DataFrame, edge_emergence: pd.Da
         ax.tick_params(labelsize=7)
         ax.set_xlabel("training step")
         ax.legend(fontsize=6, loc="best")
+    absent = "" if roles else f"\n{_no_roles(data.heads)}"
     fig.suptitle(f"sweep {data.sweep}: filled = significant (edge q_model ≤ {SIGNIFICANT_Q:g}; role test), "
-                 "★ = emerged (significant from there on)", fontsize=10)
+                 f"★ = emerged (significant from there on){absent}", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -216,6 +231,7 @@ def render_sweep_report(data: SweepData, edge_emergence: pd.DataFrame, role_emer
     runs = data.runs.drop(columns="source")
     if not losses.empty:
         runs = checkpoint_losses(runs, losses)
+    roles = _roles_by_step(data.heads, role_emergence) if not data.heads.empty else pd.DataFrame()
     title = f"headgraph sweep — {data.sweep}"
     loss_note = (" `loss` is the training loss the trainer logged last at or before the step (trainer_state.json, "
                  "at step `logged at`), not measured by headgraph." if not losses.empty else "")
@@ -240,7 +256,7 @@ def render_sweep_report(data: SweepData, edge_emergence: pd.DataFrame, role_emer
               "score at every step. "
               "The change happened between `emerged` and the step before it; these checkpoints cannot place it "
               "more finely (`headgraph query role-emergence`)."),
-        ("table", _roles_by_step(data.heads, role_emergence) if not data.heads.empty else pd.DataFrame()),
+        ("table", roles) if not roles.empty else ("p", _no_roles(data.heads)),
     ]
     paths = {"report.md": out_dir / "report.md", "report.html": out_dir / "report.html"}
     paths["report.md"].write_text(to_markdown(blocks))
