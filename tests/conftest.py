@@ -202,14 +202,3 @@ def induction_run(tmp_path_factory):
     return headgraph.analyze("induction-2l", out=tmp_path_factory.mktemp("induction-analysis") / "run",
                              top_k=SHARED_TOP_K, report=True, device="cpu", progress=False, **FAST)
 # ---- end shared analyses ----
-
-# ---- scheduling (helper "suite"): the longest modules first ----
-# scripts/test gives each worker whole modules in collection order; these, each 1.5-3 min of one worker on 2 cores,
-# go first, so that no worker is left running one of them alone at the end. Order within a module is kept.
-LONGEST_MODULES = ("test_faults.py", "test_readonly.py", "test_sweep_ray.py", "test_sweep.py")
-
-
-def pytest_collection_modifyitems(items):
-    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
-# ---- end scheduling ----

@@ -2,8 +2,9 @@
 transformers) through the whole default analyze of the Python API, fast settings: the pair counts of each
 type from the layers, query heads and key/value heads written by hand below, KV-native head names on
 grouped-query models, PK inside its bounds [0, d_head], every role of the model kind tested, and a local causal
-effect with its interval on every OQ/OK/OV pair. TransformerLens' processed weights are checked against
-transformers' own forward pass, family by family, and `headgraph doctor`'s family rows against what ran."""
+effect with its interval on every OQ/OK/OV pair, the report and a complete stored run. TransformerLens'
+processed weights are checked against transformers' own forward pass, family by family, and `headgraph doctor`'s
+family rows against what ran."""
 
 import json
 import shutil
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 import headgraph
 from headgraph import doctor
+from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import load_model
 from headgraph.testing.families import D_HEAD, FAMILIES
 from headgraph.testing.synthetic import save_tokenizer
@@ -32,6 +34,7 @@ ENCODERS = {"bert", "roberta"}
 DECODER_ROLES = {"identity", "previous_token", "bos", "duplicate_token", "induction"}
 ENCODER_ROLES = {"identity", "local", "delimiter", "cls", "sep", "block", "block_entropy", "syntactic_nsubj",
                  "syntactic_dobj", "syntactic_amod", "syntactic_advmod", "syntactic"}
+FIGURES = ("pk_distributions", "kl_heatmap", "pk_vs_cs", "causal", "topk_graph", "roles", "hubs")  # README's plot names
 # loss effects (the slowest part of a causal run on these families) are left to tests/test_causal_families.py
 FAST = {"device": "cpu", "progress": False, "reference_samples": 200, "null_heads": 4, "roles_n_inputs": 4,
         "causal_n_inputs": 2, "causal_n_boot": 20, "causal_loss": False}
@@ -46,7 +49,9 @@ def runs(family_dirs, tmp_path_factory):
     def run_of(name):
         if name not in done:
             try:
-                done[name] = headgraph.analyze(family_dirs[name], out=tmp_path_factory.mktemp(name) / "run", **FAST)
+                work = tmp_path_factory.mktemp(name)
+                done[name] = headgraph.analyze(family_dirs[name], out=work / "run", store=str(work / "graph.lbdb"),
+                                               report=True, **FAST)
             except Exception as e:  # noqa: BLE001 - reported by every test that reads the run
                 done[name] = e
         if isinstance(done[name], Exception):
@@ -146,6 +151,23 @@ def test_causal_effects_of_every_oq_ok_ov_pair(runs, name):
     effect, lo, hi = (pairs[c].to_numpy(dtype=float) for c in ("effect", "effect_lo", "effect_hi"))
     assert np.isfinite(effect).all() and (effect >= 0).all() and effect.max() > 0
     assert (lo <= effect + 1e-12).all() and (effect <= hi + 1e-12).all()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_report_is_written_and_the_run_stored_complete(runs, name):
+    """The default analyze's last two stages: the report (markdown, the interactive page, every figure) and the
+    store, whose run is complete and holds the heads and the selected edges it records."""
+    run = runs(name)
+    assert {"report.md", "report.html"} <= {p.name for p in run.path.iterdir()}
+    assert {p.stem for p in run.path.glob("fig_*.png")} == {f"fig_{plot}" for plot in FIGURES}
+    with LadybugStore(run.path.parent / "graph.lbdb", read_only=True) as store:
+        (recorded,) = store.read("MATCH (r:Run {id: $id}) RETURN r.status AS status, r.n_heads AS heads, "
+                                 "r.n_edges AS edges", {"id": run.id}).records()
+        (heads,) = store.read("MATCH (h:Head) WHERE h.run_id = $id RETURN count(h) AS n", {"id": run.id}).records()
+        (edges,) = store.read("MATCH (a:Head)-[e]->(:Head) WHERE a.run_id = $id RETURN count(e) AS n",
+                              {"id": run.id}).records()
+    assert recorded == {"status": "complete", "heads": heads["n"], "edges": len(run.edges)} and heads["n"] > 0
+    assert edges["n"] == len(run.edges) > 0
 
 
 @pytest.mark.parametrize("name", FAMILIES)
