@@ -18,6 +18,7 @@ import headgraph
 from headgraph import doctor
 from headgraph.loader.ladybug_store import LadybugStore
 from headgraph.loader.models import load_model
+from headgraph.report.report import FIGURES
 from headgraph.testing.families import D_HEAD, FAMILIES
 from headgraph.testing.synthetic import save_tokenizer
 
@@ -34,7 +35,6 @@ ENCODERS = {"bert", "roberta"}
 DECODER_ROLES = {"identity", "previous_token", "bos", "duplicate_token", "induction"}
 ENCODER_ROLES = {"identity", "local", "delimiter", "cls", "sep", "block", "block_entropy", "syntactic_nsubj",
                  "syntactic_dobj", "syntactic_amod", "syntactic_advmod", "syntactic"}
-FIGURES = ("pk_distributions", "kl_heatmap", "pk_vs_cs", "causal", "topk_graph", "roles", "hubs")  # README's plot names
 # loss effects (the slowest part of a causal run on these families) are left to tests/test_causal_families.py
 FAST = {"device": "cpu", "progress": False, "reference_samples": 200, "null_heads": 4, "roles_n_inputs": 4,
         "causal_n_inputs": 2, "causal_n_boot": 20, "causal_loss": False}
