@@ -319,8 +319,11 @@ def run_pk(ctx: Context) -> None:
 def _weights_record(model) -> dict:
     """run.json engine.weights: how the PK stages read the weights, and the dtype of the forward passes."""
     if hasattr(model, "head_layers"):
+        held = str(model.patterns_dtype).removeprefix("torch.")
         return {"read": "streamed layer by layer from the safetensors shards", "stored_dtypes": list(model.stored_dtypes),
-                "forward_dtype": "float32 (the whole model, loaded only for the stages after the PK)"}
+                "forward_dtype": f"role tests: the raw weights held in {held}, each block computed in float32 "
+                                 "while it runs (the float32 model's attention patterns, bit for bit); causal "
+                                 "effects: float32, the whole model loaded in the processing asked"}
     return {"read": "from the loaded model", "forward_dtype": str(next(model.bridge.parameters()).dtype).removeprefix("torch.")}
 
 

@@ -118,9 +118,11 @@ def pk_and_significance(ctx: Context) -> None:
 def roles(ctx: Context) -> None:
     """Each head's role tests, as columns of the heads table."""
     from headgraph.analysis.roles import compute_roles
+    from headgraph.loader.stream import patterns_only
 
-    table, ctx.role_settings = compute_roles(ctx.model, seed=_inputs_seed(ctx.options), progress=ctx.progress,
-                                             **dataclasses.asdict(ctx.options.roles))
+    with patterns_only(ctx.model) as model:
+        table, ctx.role_settings = compute_roles(model, seed=_inputs_seed(ctx.options), progress=ctx.progress,
+                                                 **dataclasses.asdict(ctx.options.roles))
     ctx.result.heads = ctx.result.heads.merge(table, on=["head", "layer", "index"], how="left", validate="one_to_one")
 
 

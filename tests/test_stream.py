@@ -78,6 +78,36 @@ def test_composition_scores_from_the_streamed_factors_equal_those_of_the_weights
         np.testing.assert_allclose(rows.cs, expected[src.to_numpy(), tgt.to_numpy()].numpy(), rtol=1e-5, atol=0)
 
 
+def as_bf16(folder: Path) -> Path:
+    """The checkpoint in `folder` with its floating tensors stored as bf16, as most released checkpoints are."""
+    for shard in folder.glob("*.safetensors"):
+        state = load_file(str(shard))
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}, str(shard),
+                  metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3", "bert"])
+def test_the_role_patterns_of_a_bf16_checkpoint_are_the_float32_models(family, tmp_path):
+    """Within patterns_only() a bf16 checkpoint stays bf16, one block upcast while it runs, and its attention
+    patterns equal those of the checkpoint loaded in float32 (load_model, raw weights) bit for bit."""
+    from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.testing.families import save_family
+
+    folder = as_bf16(save_family(family, tmp_path / family))
+    streamed = open_model(folder, device="cpu")
+    float32 = load_model(folder, processing="raw", device="cpu")
+    inputs = input_set(float32, input_set_names(float32.cfg["is_decoder"])[0], 6, 0)
+    with streamed.patterns_only() as model:
+        assert streamed.patterns_dtype == torch.bfloat16
+        patterns = capture_patterns(model.bridge, inputs)
+        blocks = {p.dtype for block in model.bridge.blocks for p in block.parameters()}
+    assert blocks == {torch.bfloat16}  # every block back in its stored dtype after the pass
+    assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+    assert streamed.loaded is None and streamed._patterns_bridge is None
+
+
 def analyze(source, out: Path, **settings):
     from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
     from headgraph.analysis.options import PKOptions
@@ -114,15 +144,38 @@ def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
     assert heads_a[decisions].equals(heads_b[decisions])
 
 
-def _analyze_process(source: Path, out: Path, max_memory: int, *flags: str) -> dict:
-    """run.json of `headgraph analyze DIR --max-memory B` (no roles, effects, report or store) in a fresh
-    process, as a user runs it."""
-    from _fast import PK_ONLY_FLAGS
+def _analyze_process(source: Path, out: Path, max_memory: int, *flags: str, roles: bool = False) -> dict:
+    """run.json of `headgraph analyze DIR --max-memory B` (no effects, report or store; roles only if asked, on
+    8 inputs per set) in a fresh process, as a user runs it."""
+    from _fast import PK, PK_ONLY_FLAGS, flags as as_flags
 
+    stages = as_flags({**PK, "causal": False, "roles_n_inputs": 8}) if roles else PK_ONLY_FLAGS
     subprocess.run([sys.executable, "-m", "headgraph", "analyze", str(source), "--out", str(out), "--device", "cpu",
-                    "--max-memory", str(max_memory), "--no-store", "--no-report", *PK_ONLY_FLAGS, *flags],
+                    "--max-memory", str(max_memory), "--no-store", "--no-report", *stages, *flags],
                    check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600, capture_output=True)
     return json.loads((out / "run.json").read_text())
+
+
+def _wide_llama(folder: Path, vocab: int, layers: int, dtype=torch.float32) -> tuple[int, int]:
+    """A Llama whose MLPs dwarf its attention (8 heads on 4 KV heads of 32, d_model 256, MLP 8192) saved in
+    `dtype` with its tokenizer; (its bytes in float32, one layer's bytes in float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headgraph.loader.models import quiet
+    from headgraph.testing.synthetic import save_tokenizer
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=8192, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+                         bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=vocab - 1,
+                         tie_word_embeddings=False)
+    with quiet():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model_bytes = sum(p.numel() * 4 for p in model.parameters())
+        layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+        model.to(dtype).save_pretrained(str(folder))
+    save_tokenizer(folder, vocab)
+    return model_bytes, layer_bytes
 
 
 @pytest.mark.slow
@@ -130,22 +183,8 @@ def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
     """A Llama whose MLP and vocabulary dwarf its attention (about 190 MB of float32 weights, 3 MB of bases): by
     default the PK stage grows the process by less than --max-memory plus one layer's weights; with --no-stream
     (the whole model loaded first) the same stage holds the model, far beyond that --max-memory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from headgraph.loader.models import quiet
-    from headgraph.testing.synthetic import save_tokenizer
-
     folder = tmp_path / "wide"
-    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=8192, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
-                         bos_token_id=31999, eos_token_id=31999, pad_token_id=31999, tie_word_embeddings=False)
-    with quiet():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-        model_bytes = sum(p.numel() * 4 for p in model.parameters())
-        layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-        model.save_pretrained(str(folder))
-    save_tokenizer(folder, 32000)
+    model_bytes, layer_bytes = _wide_llama(folder, vocab=32000, layers=4)
     budget = 16 * 2**20
     streamed = _analyze_process(folder, tmp_path / "streamed", budget)
     loaded = _analyze_process(folder, tmp_path / "loaded", budget, "--no-stream")
@@ -199,3 +238,19 @@ def test_a_damaged_checkpoint_is_one_line_and_stores_nothing(checkpoints, tmp_pa
     assert code == 2 and says in err and "Traceback" not in err, err
     assert len([line for line in lines if "error" in line.lower()]) == 1, err
     assert not db.exists() and not (out / "run.json").exists()
+
+
+@pytest.mark.slow
+def test_the_role_tests_hold_a_bf16_checkpoint_in_half_the_memory_of_its_float32_copy(tmp_path):
+    """A Llama whose MLPs are nearly all of its 420 MB of float32 weights, saved in bf16 and in float32: the role
+    tests of the bf16 one peak lower by about half the float32 bytes less one layer upcast while it runs (the same
+    attention patterns: test_the_role_patterns_of_a_bf16_checkpoint_are_the_float32_models)."""
+    peaks = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        folder = tmp_path / str(dtype)
+        model_bytes, layer_bytes = _wide_llama(folder, vocab=512, layers=16, dtype=dtype)
+        run = _analyze_process(folder, tmp_path / f"{dtype}-run", 16 * 2**20, roles=True)
+        assert f"held in {str(dtype).removeprefix('torch.')}" in run["engine"]["weights"]["forward_dtype"]
+        peaks[dtype] = run["stages"]["roles"]["peak_rss_bytes"]
+    saved = peaks[torch.float32] - peaks[torch.bfloat16]
+    assert saved > 0.3 * model_bytes, (saved, model_bytes, layer_bytes)  # about 0.5 x 420 MB - 26 MB expected

@@ -16,6 +16,7 @@ import socket
 import sys
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlparse
@@ -232,8 +233,9 @@ def check_head_counts(config, folder: Path) -> None:
                                f"{heads} attention heads (and no head_dim of its own)")
 
 
-def load_hf_model(folder: Path, device: str):
-    """Load the HF model of `folder` for the bridge (eager attention), raising BadWeights on any weight defect."""
+def load_hf_model(folder: Path, device: str, dtype: torch.dtype = torch.float32):
+    """Load the HF model of `folder` for the bridge (eager attention) in `dtype`, raising BadWeights on any weight
+    defect."""
     from huggingface_hub.errors import StrictDataclassError
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
     from transformer_lens.model_bridge.sources.transformers.helpers import get_hf_model_class_for_architecture
@@ -256,7 +258,7 @@ def load_hf_model(folder: Path, device: str):
                                "analyses one stack of attention heads, a decoder-only or encoder-only model")
     try:
         model, info = model_class.from_pretrained(
-            str(folder), config=config, dtype=torch.float32, attn_implementation="eager",
+            str(folder), config=config, dtype=dtype, attn_implementation="eager",
             local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True,
         )
     except Exception as e:  # noqa: BLE001 - safetensors/torch raise many types for a bad checkpoint
@@ -425,15 +427,16 @@ def fuse_tanh_gelu(hf_model) -> int:
     return swapped
 
 
-def _bridge(model, device: str, tokenizer, name: str):
+def _bridge(model, device: str, tokenizer, name: str, dtype: torch.dtype = torch.float32):
     """A TransformerBridge of our own over `model` (a folder's name or a PreTrainedModel): the caller's objects
-    are never changed (eager attention and weight processing act on a copy)."""
+    are never changed (eager attention and weight processing act on a copy). A folder's weights are loaded in
+    `dtype`."""
     from transformer_lens.model_bridge import TransformerBridge
 
     if _is_hf_model(model):
         hf_model, origin = _bridgeable_copy(model, device), str(model.name_or_path or "")
     else:
-        hf_model, origin = load_hf_model(Path(model), device), str(model)
+        hf_model, origin = load_hf_model(Path(model), device, dtype), str(model)
     fuse_tanh_gelu(hf_model)
     try:
         return TransformerBridge.boot_transformers(origin, hf_model=hf_model, device=device, tokenizer=tokenizer)
@@ -441,6 +444,45 @@ def _bridge(model, device: str, tokenizer, name: str):
         raise ModelUnavailable(f"TransformerLens cannot bridge '{name}': {first_line(e)}") from None
     except OSError as e:  # no tokenizer beside an in-memory model
         raise ModelUnavailable(f"no tokenizer found for '{name}' ({first_line(e)}): pass tokenizer=") from None
+
+
+def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokenizer=None):
+    """The bridge of the checkpoint in `folder` with its raw weights held in `dtype` (bf16 or float16: half the
+    bytes of float32), computing as the same bridge loaded in float32 would: every parameter outside the blocks
+    (embeddings, final norm, unembedding) is cast to float32 now, and each block's parameters are float32 only while
+    that block runs (run_blocks_in_float32). Its attention patterns equal those of load_model(folder, "raw") in
+    float32 bit for bit (tests/test_stream.py), but a non-persistent buffer transformers builds in `dtype` (e.g.
+    Gemma's embedding scale) keeps that dtype's rounding."""
+    with quiet():
+        bridge = _bridge(folder, device, tokenizer, name, dtype)
+    run_blocks_in_float32(bridge)
+    return bridge
+
+
+def run_blocks_in_float32(bridge) -> None:
+    """Cast `bridge`'s parameters outside its blocks to float32, and hook each block so that its parameters are
+    float32 while it runs and their stored tensors are put back after it (also when a forward pass stops early
+    inside it): the model then holds at most one block in float32 besides its stored weights."""
+    inside = {id(p) for block in bridge.blocks for p in block.parameters()}
+    with torch.no_grad():
+        for p in bridge.parameters():
+            if id(p) not in inside:
+                p.data = p.data.float()
+
+    def upcast(module, args, stored):
+        for p in module.parameters():
+            stored[p] = p.data
+            p.data = p.data.float()
+
+    def restore(module, args, output, stored):
+        for p, data in stored.items():
+            p.data = data
+        stored.clear()
+
+    for block in bridge.blocks:
+        stored: dict = {}
+        block.register_forward_pre_hook(partial(upcast, stored=stored))
+        block.register_forward_hook(partial(restore, stored=stored), always_call=True)
 
 
 def _processed_bridge(bridge, processing: Processing):

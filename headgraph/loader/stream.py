@@ -14,9 +14,14 @@ norm into its attention and centring its W_O only read those, so the result equa
 Adapters with their own pre- or post-processing hooks (e.g. Phi-3, Cohere) do not stream "tl": the whole model
 loads as before (`streamable` says why).
 
-The forward passes (role tests, causal effects) need the whole model: `StreamedModel.bridge` is the weightless
-bridge until `allow_loading()` is called (headgraph.pipeline does, once the PK stages have released what they
-held); its first use after that loads the model through headgraph.loader.models.load_model, in float32.
+The forward passes need the whole model. The role tests read attention patterns only, which TransformerLens'
+processing does not change (it folds norms into the weights and centres them, leaving the function as it is):
+inside `patterns_only()` the bridge is the raw checkpoint held in its stored dtype, each block upcast to float32
+while it runs (headgraph.loader.models.raw_bridge: the same patterns as the float32 model, at half its bytes for
+a bf16 checkpoint). The causal effects read activations and weights in the processing asked: `StreamedModel.bridge`
+is the weightless bridge until `allow_loading()` is called (headgraph.pipeline does, once the PK stages have
+released what they held); its first use after that loads the model through headgraph.loader.models.load_model, in
+float32.
 """
 
 import contextlib
@@ -132,8 +137,9 @@ def _uses_own_processing(adapter) -> str | None:
 @dataclass(eq=False)
 class StreamedModel:
     """A model whose attention weights are read layer by layer (`head_layers`); `cfg`, `name`, `source`,
-    `processing` and `tokenizer` as a LoadedModel's (cfg's processing_warnings complete once "tl" has run). `bridge` is weightless (config, tokenizer) until
-    `allow_loading()`, then the whole model's (loaded on first use)."""
+    `processing` and `tokenizer` as a LoadedModel's (cfg's processing_warnings complete once "tl" has run).
+    `bridge` is weightless (config, tokenizer) until `allow_loading()`, then the whole model's in float32 (loaded
+    on first use); within `patterns_only()` it is the raw checkpoint held in its stored dtype."""
 
     name: str
     source: str
@@ -147,6 +153,7 @@ class StreamedModel:
     loaded: Any = field(default=None, repr=False)
     _may_load: bool = field(default=False, repr=False)
     _tokenizer_given: Any = field(default=None, repr=False)
+    _patterns_bridge: Any = field(default=None, repr=False)
 
     @property
     def tokenizer(self):
@@ -154,12 +161,35 @@ class StreamedModel:
 
     @property
     def bridge(self):
+        if self._patterns_bridge is not None:
+            return self._patterns_bridge
         if self.loaded is None and self._may_load:
             from headgraph.loader.models import load_model
 
             self.loaded = load_model(self.source, processing=self.processing, device=self.device,
                                      tokenizer=self._tokenizer_given)
         return self.skeleton if self.loaded is None else self.loaded.bridge
+
+    @property
+    def patterns_dtype(self) -> torch.dtype:
+        """The dtype `patterns_only()` holds the weights in: the checkpoint's when all its floating tensors are bf16
+        or all float16, else float32."""
+        stored = set(self.stored_dtypes) & set(COMPUTABLE)
+        return COMPUTABLE[stored.pop()] if stored in ({"BF16"}, {"F16"}) else torch.float32
+
+    @contextlib.contextmanager
+    def patterns_only(self):
+        """Within it, `bridge` is the raw checkpoint in `patterns_dtype`, computing in float32 one block at a time
+        (headgraph.loader.models.raw_bridge): for forward passes that read attention patterns only. Released on
+        exit."""
+        from headgraph.loader.models import raw_bridge
+
+        self._patterns_bridge = raw_bridge(Path(self.source), self.name, self.device, self.patterns_dtype,
+                                           self._tokenizer_given)
+        try:
+            yield self
+        finally:
+            self._patterns_bridge = None
 
     def allow_loading(self) -> None:
         """From now on the first use of `bridge` loads the whole model (for forward passes)."""
@@ -338,6 +368,12 @@ def open_streamed(folder: Path, name: str, processing: str, device: str, tokeniz
     return StreamedModel(name=name, source=str(folder), cfg=cfg, processing=processing, device=device,
                          shards=shards, skeleton=bridge, holders=holders, stored_dtypes=dtypes,
                          _tokenizer_given=tokenizer)
+
+
+def patterns_only(model):
+    """A context in which `model` (a StreamedModel or a LoadedModel) runs forward passes that read attention
+    patterns only: a StreamedModel's patterns_only(), a LoadedModel as it is."""
+    return model.patterns_only() if isinstance(model, StreamedModel) else contextlib.nullcontext(model)
 
 
 def open_model(model, processing: str = "tl", device: str | None = None, tokenizer=None):
