@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,44 @@ def neo4j_run_id(neo4j_driver):
     )
 # ---- end Neo4j fixtures ----
 
+# ---- built once per session, across the xdist workers ----
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name` after `build(folder)` has filled it, once per test session: the xdist workers share one
+    folder (beside their own temporary folders), the first to ask builds it under a file lock and the others wait
+    for it, then read what it built. Only for what the tests read and never change."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+# ---- end built once ----
+
+# ---- test order (helper "suite") ----
+# scripts/test hands each xdist worker whole modules (--dist loadfile) in this order (--no-loadscope-reorder):
+# first the modules whose few tests take longest (real processes and servers, every family analysed), longest
+# first by one worker's seconds in a full run on the 2-core CI VM (2026-12-04: 221, 214, 176, 126, 100, 86, 80,
+# 59, 57, 51, 50, 45, 43, 40 s), then the rest by their number of tests, as xdist would order them all. Ordered
+# by number of tests alone, the faults and Ray modules started last and ran on past the others by a minute.
+LONGEST_MODULES = ("test_families", "test_faults", "test_readonly", "test_sweep_ray", "test_sweep", "test_stream",
+                   "test_user_errors", "test_store", "test_browser", "test_view", "test_export", "test_report",
+                   "test_api", "test_queries")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Counter(item.path.stem for item in items)
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), -tests[item.path.stem], item.path.stem))
+# ---- end test order ----
+
 # ---- loader fixtures (helper "loader"): tiny synthetic and planted models saved as local HF folders ----
 
 @pytest.fixture(scope="session")
@@ -152,8 +191,8 @@ def family_dirs(tmp_path_factory):
     """{family: folder} of every family of headgraph.testing.families.FAMILIES, built once per session."""
     from headgraph.testing.families import FAMILIES, save_family
 
-    root = tmp_path_factory.mktemp("families")
-    return {name: save_family(name, root / name) for name in FAMILIES}
+    root = built_once(tmp_path_factory, "families", lambda root: [save_family(name, root / name) for name in FAMILIES])
+    return {name: root / name for name in FAMILIES}
 # ---- end family fixtures ----
 
 # ---- shared analyses (helper "suite"): the planted model and induction-2l, each analysed once per session ----
@@ -178,17 +217,23 @@ class PlantedAnalysis:
 
 @pytest.fixture(scope="session")
 def planted_analysis(planted, tmp_path_factory):
-    """The session's one full analysis of the planted model (PlantedAnalysis)."""
+    """The session's one full analysis of the planted model (PlantedAnalysis), shared by the workers."""
     from _commands import headgraph
     from _fast import FLAGS
 
-    model, truth = planted
-    work = tmp_path_factory.mktemp("planted-analysis")
-    db, out = work / "graph.lbdb", work / "run"
-    done = headgraph("analyze", str(model), "--db", str(db), "--out", str(out), "--json", "--top-k",
-                     str(SHARED_TOP_K), *FLAGS)
-    assert done.returncode == 0, done.stderr
-    return PlantedAnalysis(truth, out, db, json.loads(done.stdout))
+    from headgraph.testing.planted import TRUTH_FILE
+
+    def analyze(work: Path) -> None:
+        model, _ = save_planted(work / "gpt2-planted", PlantSpec())
+        done = headgraph("analyze", str(model), "--db", str(work / "graph.lbdb"), "--out", str(work / "run"), "--json",
+                         "--top-k", str(SHARED_TOP_K), *FLAGS)
+        assert done.returncode == 0, done.stderr
+        (work / "summary.json").write_text(done.stdout)
+
+    work = built_once(tmp_path_factory, "planted-analysis", analyze)
+    _, truth = planted
+    assert json.loads((work / "gpt2-planted" / TRUTH_FILE).read_text()) == json.loads(json.dumps(truth.to_dict()))
+    return PlantedAnalysis(truth, work / "run", work / "graph.lbdb", json.loads((work / "summary.json").read_text()))
 
 
 @pytest.fixture(scope="session")
