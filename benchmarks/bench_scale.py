@@ -284,6 +284,11 @@ def notes(result: dict) -> list[str]:
         lines.append(f"PK engine: {engine['formulation']}, built {engine['built_heads']} projector heads for "
                      f"{distinct} distinct heads ({engine['built_heads'] / distinct:.1f}x), "
                      f"{engine.get('computed_pairs')} pairs")
+        predicted = (engine.get("predicted_s") or {}).get(engine["formulation"])
+        took = (run.get("timings_s") or {}).get("projection_kernel")
+        if predicted and took:
+            lines.append(f"PK pass: {took:.1f} s against the plan's predicted {predicted:.1f} s "
+                         f"({took / predicted:.2f}x; calibrated kernel rates of this machine)")
     roles = run.get("roles") or {}
     if roles.get("inputs"):
         used = ", ".join(f"{name} {x['n']} of {x.get('n_inputs', roles.get('n_inputs'))}"
