@@ -401,12 +401,12 @@ def roles_command(model, out_dir, n_inputs, seed, tau, alpha, correction, role_d
     from rich.progress import Progress
 
     from headgraph.analysis.roles import compute_roles
-    from headgraph.loader.models import load_model
+    from headgraph.loader.stream import open_model, patterns_only
     from headgraph.report.summary import print_roles
     from headgraph.runs import write_roles
 
-    loaded = load_model(model, processing="raw", device=device)
-    with Progress(transient=True, console=Console(stderr=True)) as progress:
+    opened = open_model(model, processing="raw", device=device)  # a folder's weights held as stored
+    with patterns_only(opened) as loaded, Progress(transient=True, console=Console(stderr=True)) as progress:
         heads, meta = compute_roles(loaded, seed=seed, progress=progress, n_inputs=n_inputs, tau=tau, alpha=alpha,
                                     correction=correction, design=role_design)
     print_roles(loaded.name, heads, meta, Console(), identity_map=identity_map)
