@@ -582,12 +582,15 @@ def neo4j_assemble(resolve):
 @neo4j_group.command("start")
 @click.option("--print-env", is_flag=True, help="Print only `export NEO4J_...` lines on stdout (for eval).")
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for Bolt.")
-def neo4j_start(print_env, timeout):
+@click.option("--short-lived", is_flag=True,
+              help="For a server stopped after a brief workload (a test run): the JVM's quick JIT and serial "
+                   "collector, less CPU overall, slower on long heavy queries.")
+def neo4j_start(print_env, timeout, short_lived):
     """Assemble once, start in the background, wait for Bolt (no-op when already running)."""
     from headgraph.neo4j_local.server import LocalServer, env_lines, start
 
     server = LocalServer.from_env()
-    start(server, timeout=timeout, log=lambda m: click.echo(m, err=print_env))
+    start(server, timeout=timeout, log=lambda m: click.echo(m, err=print_env), short_lived=short_lived)
     click.echo("\n".join(env_lines(server)) if print_env else f"NEO4J_URI={server.uri}")
 
 

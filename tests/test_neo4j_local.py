@@ -24,6 +24,7 @@ from headgraph.neo4j_local.server import (
     assemble,
     assembled_version,
     read_lock,
+    server_command,
     server_version,
     start,
     status,
@@ -75,6 +76,21 @@ def test_status_reports_a_live_neo4j_5_26_process(local_neo4j):
     cmdline = Path(f"/proc/{running.pid}/cmdline").read_bytes().split(b"\0")
     assert b"org.neo4j.server.CommunityEntryPoint" in cmdline
     assert f"--home-dir={local_neo4j.home}".encode() in cmdline
+
+
+@pytest.mark.parametrize("short_lived", [False, True])
+def test_the_jvm_accepts_the_servers_flags_and_a_short_lived_one_gets_the_quick_jit(local_neo4j, short_lived):
+    """The JVM itself runs with the flags of each kind of server (one collector each: G1 beside the serial
+    collector would be refused); the short-lived server compiles with C1 only."""
+    command = server_command(local_neo4j, short_lived)
+    flags = command[1:command.index("-cp")]
+    assert ("-XX:TieredStopAtLevel=1" in flags) == short_lived
+    assert len([f for f in flags if f.endswith("GC") and f.startswith("-XX:+Use")]) == 1
+    done = subprocess.run([command[0], *flags, "-XX:+PrintFlagsFinal", "-version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    final = {line.split()[1]: line.split()[3] for line in done.stdout.splitlines() if line.count("=") == 1}
+    assert (final["UseSerialGC"], final["UseG1GC"]) == (("true", "false") if short_lived else ("false", "true"))
+    assert final["TieredStopAtLevel"] == ("1" if short_lived else "4")
 
 
 @pytest.mark.slow

@@ -48,7 +48,6 @@ ADMIN_TOOL = "org.neo4j.cli.AdminTool"
 JVM_FLAGS = (
     "-Xms512m",
     "-Xmx1g",
-    "-XX:+UseG1GC",
     "-XX:-OmitStackTraceInFastThrow",
     "-XX:+DisableExplicitGC",
     "-Djdk.nio.maxCachedBufferSize=1024",
@@ -59,6 +58,11 @@ JVM_FLAGS = (
     "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED",
     "--enable-native-access=ALL-UNNAMED",
 )
+# the collector and JIT of a server started to stay up, and of a short-lived one (a test run): there C2's
+# compilations and G1's threads are mostly overhead; the suite's Neo4j tests on the 2-core CI VM (fresh server,
+# 2026-12-04) cost the server 109 CPU-s with the first, 78 with the second, and ran 136 s against 110 s
+LONG_LIVED_FLAGS = ("-XX:+UseG1GC",)
+SHORT_LIVED_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
 PAGE_CACHE = "512m"
 # db.memory.transaction.max: a runaway read fails on its own instead of filling the 717 MiB pool that all
 # transactions share; a load batch of 5,000 edges holds ~10 MiB of transaction state (~1.8 KiB per edge)
@@ -507,10 +511,21 @@ def start_assets_server(server: LocalServer) -> int:
     return process.pid
 
 
-def start(server: LocalServer, timeout: float = 180.0, log=print) -> ServerStatus:
+def server_command(server: LocalServer, short_lived: bool = False) -> list[str]:
+    """The java command line of the server (see `start` for short_lived)."""
+    return [
+        _java(), *JVM_FLAGS, *(SHORT_LIVED_FLAGS if short_lived else LONG_LIVED_FLAGS),
+        "-cp", f"{server.home}/conf/*:{server.home}/plugins/*:{server.lib}/*", ENTRY_POINT,
+        f"--home-dir={server.home}", f"--config-dir={server.home / 'conf'}",
+    ]  # fmt: skip
+
+
+def start(server: LocalServer, timeout: float = 180.0, log=print, short_lived: bool = False) -> ServerStatus:
     """Assemble if needed, start the server in the background, wait until Bolt accepts the password and HTTP answers.
 
-    A server that is already running is left alone (its URI is reported).
+    A server that is already running is left alone (its URI is reported). short_lived: the JVM's quick JIT
+    (C1 only) and serial collector, for a server stopped after a brief workload such as a test run: less CPU
+    overall, slower on long heavy queries.
     """
     version = assemble(server)
     running = status(server)
@@ -528,10 +543,7 @@ def start(server: LocalServer, timeout: float = 180.0, log=print) -> ServerStatu
         set_initial_password(server)
     start_assets_server(server)
     log(f"starting Neo4j {version} from {server.home} ...")
-    command = [
-        _java(), *JVM_FLAGS, "-cp", f"{server.home}/conf/*:{server.home}/plugins/*:{server.lib}/*", ENTRY_POINT,
-        f"--home-dir={server.home}", f"--config-dir={server.home / 'conf'}",
-    ]  # fmt: skip
+    command = server_command(server, short_lived)
     with open(server.console_log, "ab") as console:
         process = subprocess.Popen(
             command, stdout=console, stderr=console, stdin=subprocess.DEVNULL, cwd=server.home,
