@@ -76,7 +76,7 @@ def local_neo4j():
     server = LocalServer.from_env()
     was_running = status(server) is not None
     if not was_running:
-        start(server, log=lambda message: None)
+        start(server, log=lambda message: None, short_lived=True)
     yield server
     if not was_running:
         stop(server, log=lambda message: None)

@@ -216,7 +216,7 @@ def test_neo4j_admin_import_answers_the_named_queries_like_the_run(run_dir, tmp_
                           check=False, capture_output=True, text=True, cwd=server.home, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "IMPORT DONE" in done.stdout
-    start(server, log=lambda message: None)
+    start(server, log=lambda message: None, short_lived=True)
     monkeypatch.setenv("NEO4J_USER", server.user)
     monkeypatch.setenv("NEO4J_PASSWORD", server.password)
 
