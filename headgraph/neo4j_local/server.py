@@ -63,6 +63,9 @@ JVM_FLAGS = (
 # 2026-12-04) cost the server 109 CPU-s with the first, 78 with the second, and ran 136 s against 110 s
 LONG_LIVED_FLAGS = ("-XX:+UseG1GC",)
 SHORT_LIVED_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
+# Bolt's shutdown waits twice for idle threads and connections (5 s each); a short-lived server stops without
+SHORT_LIVED_SETTINGS = ("internal.dbms.bolt.netty_server_shutdown_quiet_period=0",
+                        "internal.server.bolt.thread_pool_shutdown_wait_time=0s")
 PAGE_CACHE = "512m"
 # db.memory.transaction.max: a runaway read fails on its own instead of filling the 717 MiB pool that all
 # transactions share; a load batch of 5,000 edges holds ~10 MiB of transaction state (~1.8 KiB per edge)
@@ -394,8 +397,9 @@ def assemble(server: LocalServer, lock: Path = LOCK_FILE, sources: JarSources | 
     return version
 
 
-def neo4j_conf(server: LocalServer) -> str:
-    """The neo4j.conf text: loopback only, auth on, modest memory, no usage reports, Browser extras."""
+def neo4j_conf(server: LocalServer, short_lived: bool = False) -> str:
+    """The neo4j.conf text: loopback only, auth on, modest memory, no usage reports, Browser extras; a
+    short-lived server (see `start`) also stops without Bolt's graceful waits (SHORT_LIVED_SETTINGS)."""
     home = server.home
     assets = server.assets_url
     lines = [
@@ -413,6 +417,7 @@ def neo4j_conf(server: LocalServer) -> str:
         *(f"server.directories.{d}={home / d}" for d in ("data", "logs", "run", "plugins", "import")),
         f"browser.post_connect_cmd=style {assets}/style.grass; play {assets}/guide.html",
         "browser.remote_content_hostname_whitelist=127.0.0.1,localhost",
+        *(SHORT_LIVED_SETTINGS if short_lived else ()),
     ]
     return "\n".join(lines) + "\n"
 
@@ -538,7 +543,7 @@ def start(server: LocalServer, timeout: float = 180.0, log=print, short_lived: b
             raise StoreUnavailable(
                 f"port {port} on 127.0.0.1 is used by another process; stop it or set HEADGRAPH_NEO4J_{name}_PORT"
             )
-    (server.home / "conf" / "neo4j.conf").write_text(neo4j_conf(server))
+    (server.home / "conf" / "neo4j.conf").write_text(neo4j_conf(server, short_lived))
     if not (server.home / "data" / "databases").exists():
         set_initial_password(server)
     start_assets_server(server)
