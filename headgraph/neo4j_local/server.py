@@ -63,7 +63,8 @@ JVM_FLAGS = (
 # 2026-12-04) cost the server 109 CPU-s with the first, 78 with the second, and ran 136 s against 110 s
 LONG_LIVED_FLAGS = ("-XX:+UseG1GC",)
 SHORT_LIVED_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
-# Bolt's shutdown waits twice for idle threads and connections (5 s each); a short-lived server stops without
+# Bolt's shutdown waits twice for idle threads and connections (5 s each); a short-lived server skips both waits
+# (its databases are still checkpointed first): it stops in 0.4 s instead of 10 s
 SHORT_LIVED_SETTINGS = ("internal.dbms.bolt.netty_server_shutdown_quiet_period=0",
                         "internal.server.bolt.thread_pool_shutdown_wait_time=0s")
 PAGE_CACHE = "512m"
