@@ -151,8 +151,8 @@ def analyze_options(command: Callable) -> Callable:
     @click.option("--stability", is_flag=True,
                   help="Also recompute under each stability variant (see `headgraph stability`), shown in the report.")
     @click.option("--stream/--no-stream", default=ANALYZE.stream, show_default=True,
-                  help="Read a folder's safetensors layer by layer for the PK stages (the whole model is loaded only "
-                       "for roles and causal effects); --no-stream loads the whole model first.")
+                  help="Read a folder's safetensors layer by layer for the PK stages, and run roles and causal effects "
+                       "on the weights in their stored dtype; --no-stream loads the whole model first, in float32.")
     @click.option("--no-store", is_flag=True, help="Write the run folder only; store nothing.")
     @click.option("--no-report", is_flag=True, help="Skip the figures and report.")
     @store_options

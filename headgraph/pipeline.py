@@ -321,9 +321,10 @@ def _weights_record(model) -> dict:
     if hasattr(model, "head_layers"):
         held = str(model.patterns_dtype).removeprefix("torch.")
         return {"read": "streamed layer by layer from the safetensors shards", "stored_dtypes": list(model.stored_dtypes),
-                "forward_dtype": f"role tests: the raw weights held in {held}, each block computed in float32 "
-                                 "while it runs (the float32 model's attention patterns, bit for bit); causal "
-                                 "effects: float32, the whole model loaded in the processing asked"}
+                "forward_dtype": f"role tests and causal effects: the raw weight matrices held in {held}, each "
+                                 "block's computed in float32 while it runs (the float32 model's activations and "
+                                 "gradients, bit for bit); the causal effects read each head's W_O and z in the "
+                                 "processing asked"}
     return {"read": "from the loaded model", "forward_dtype": str(next(model.bridge.parameters()).dtype).removeprefix("torch.")}
 
 

@@ -2,6 +2,9 @@
 the same W_* as the loaded model, or the whole model loaded where an adapter's processing cannot run a layer at a
 time; the same one-line errors as load_model for weights it refuses."""
 
+import shutil
+
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,6 +34,36 @@ def test_every_family_streams_the_loaded_models_weights_or_loads_whole(family_di
                 torch.testing.assert_close(torch.stack([w[name] for w in layers]), getattr(loaded, name), atol=0,
                                            rtol=0, msg=f"{family} {processing} {name}")
     assert fell_back == [("phi3", "tl")]  # Phi-3's adapter preprocesses its joint QKV weights itself
+
+
+@pytest.mark.slow
+def test_every_familys_effects_from_its_stored_bf16_weights_equal_the_processed_models(family_dirs, tmp_path):
+    """The causal effects of a streamed bf16 checkpoint run on its raw weights, held in bf16 (each block's matrices
+    upcast while it runs, and again for the backward pass of attribution), with TransformerLens' processing applied
+    only to what the effects read of it (headgraph.analysis.causal.network.processed_outputs): the local effects and
+    attributions of every OQ/OK/OV pair equal those of the same checkpoint loaded in float32 and processed. Without
+    that view the V effects of the LayerNorm families and of Qwen2 (value biases) differ by far more."""
+    from headgraph.analysis.causal import causal_inputs, local_effects
+    from headgraph.testing.families import FAMILIES
+    from headgraph.testing.synthetic import as_bf16
+
+    streamed_families = []
+    for family in FAMILIES:
+        folder = as_bf16(shutil.copytree(family_dirs[family], tmp_path / family))
+        streamed = open_model(folder, device="cpu")
+        if not isinstance(streamed, StreamedModel):
+            continue  # Phi-3 (test_every_family_streams_the_loaded_models_weights_or_loads_whole)
+        streamed.allow_loading()
+        loaded = load_model(folder, device="cpu")
+        inputs = causal_inputs(loaded, 2, seed=0)
+        found, expected = (local_effects(m, inputs, ("OQ", "OK", "OV"), n_boot=20, seed=0) for m in (streamed, loaded))
+        matrices = {p.dtype for block in streamed.bridge.blocks for p in block.parameters() if p.dim() >= 2}
+        assert matrices == {torch.bfloat16}, family
+        assert list(found["target"]) == list(expected["target"]), family
+        for column in ("effect", "effect_lo", "effect_hi", "effect_attr"):
+            np.testing.assert_allclose(found[column], expected[column], rtol=1e-4, atol=1e-6, err_msg=family)
+        streamed_families.append(family)
+    assert len(streamed_families) == len(FAMILIES) - 1
 
 
 def test_all_zero_attention_is_the_loaded_paths_error(tmp_path):

@@ -447,42 +447,88 @@ def _bridge(model, device: str, tokenizer, name: str, dtype: torch.dtype = torch
 
 
 def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokenizer=None):
-    """The bridge of the checkpoint in `folder` with its raw weights held in `dtype` (bf16 or float16: half the
-    bytes of float32), computing as the same bridge loaded in float32 would: every parameter outside the blocks
-    (embeddings, final norm, unembedding) is cast to float32 now, and each block's parameters are float32 only while
-    that block runs (run_blocks_in_float32). Its attention patterns equal those of load_model(folder, "raw") in
-    float32 bit for bit (tests/test_stream.py), but a non-persistent buffer transformers builds in `dtype` (e.g.
-    Gemma's embedding scale) keeps that dtype's rounding."""
+    """The bridge of the checkpoint in `folder` with its raw weight matrices held in `dtype` (bf16 or float16: half
+    the bytes of float32), computing as the same bridge loaded in float32 would (run_blocks_in_float32). Its
+    attention patterns, activations and gradients equal those of load_model(folder, "raw") in float32 bit for bit
+    (tests/test_stream.py), but a non-persistent buffer transformers builds in `dtype` (e.g. Gemma's embedding
+    scale) keeps that dtype's rounding."""
     with quiet():
         bridge = _bridge(folder, device, tokenizer, name, dtype)
-    run_blocks_in_float32(bridge)
+    if dtype != torch.float32:
+        run_blocks_in_float32(bridge)
     return bridge
 
 
+class _Upcasts:
+    """The float32 copies of weight matrices while their module runs: {copy's storage address: stored tensor}, and
+    the copies' buffers, reused from block to block (allocating and freeing a block's float32 bytes on every call
+    leaves the allocator holding far more than one block). As saved-tensor hooks, a matrix autograd keeps for the
+    backward pass is kept as its stored tensor and upcast again when the backward pass reads it, so a gradient pass
+    holds no block's float32 copy beyond its module's run."""
+
+    def __init__(self):
+        self.live: dict[int, torch.Tensor] = {}
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def pack(self, tensor: torch.Tensor):
+        stored = self.live.get(tensor.untyped_storage().data_ptr()) if tensor.dtype == torch.float32 else None
+        if stored is None:
+            return tensor
+        return stored, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+    @staticmethod
+    def unpack(packed):
+        if torch.is_tensor(packed):
+            return packed
+        stored, size, stride, offset = packed
+        return stored.float().as_strided(size, stride, offset)
+
+    def enter(self, module, args, held: dict) -> None:
+        """Upcast the matrices of `module` that are not float32 already (a block's, or its attention's when the
+        attention runs alone), and route what autograd saves through `pack` while it runs."""
+        for p in module.parameters():
+            if p.dtype != torch.float32:
+                key = (p.shape, p.stride())
+                copy = self.free[key].pop() if self.free.get(key) else torch.empty_like(p.data, dtype=torch.float32)
+                held[p] = p.data
+                p.data = copy.copy_(p.data)
+                self.live[copy.untyped_storage().data_ptr()] = held[p]
+        if held:
+            held[None] = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            held[None].__enter__()
+
+    def leave(self, module, args, output, held: dict) -> None:
+        """Put back the stored matrices (also when a forward pass stops early inside the module)."""
+        hooks = held.pop(None, None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        for p, data in held.items():
+            copy = p.data
+            self.live.pop(copy.untyped_storage().data_ptr(), None)
+            self.free.setdefault((copy.shape, copy.stride()), []).append(copy)
+            p.data = data
+        held.clear()
+
+
 def run_blocks_in_float32(bridge) -> None:
-    """Cast `bridge`'s parameters outside its blocks to float32, and hook each block so that its parameters are
-    float32 while it runs and their stored tensors are put back after it (also when a forward pass stops early
-    inside it): the model then holds at most one block in float32 besides its stored weights."""
-    inside = {id(p) for block in bridge.blocks for p in block.parameters()}
+    """Cast every floating tensor of `bridge` but its blocks' weight matrices (embeddings, unembedding, final norm,
+    every norm weight and bias, buffers) to float32, and hook each block and each block's attention so that their
+    matrices are float32 while they run and their stored tensors are put back after: the model then holds at most
+    one block in float32 besides its stored weights, also through a backward pass (`_Upcasts`)."""
+    matrices = {id(p) for block in bridge.blocks for p in block.parameters() if p.dim() >= 2}
     with torch.no_grad():
         for p in bridge.parameters():
-            if id(p) not in inside:
+            if id(p) not in matrices:
                 p.data = p.data.float()
-
-    def upcast(module, args, stored):
-        for p in module.parameters():
-            stored[p] = p.data
-            p.data = p.data.float()
-
-    def restore(module, args, output, stored):
-        for p, data in stored.items():
-            p.data = data
-        stored.clear()
-
-    for block in bridge.blocks:
-        stored: dict = {}
-        block.register_forward_pre_hook(partial(upcast, stored=stored))
-        block.register_forward_hook(partial(restore, stored=stored), always_call=True)
+        for module in bridge.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.float()
+    upcasts = _Upcasts()
+    for module in [m for block in bridge.blocks for m in (block, getattr(block, "attn", None)) if m is not None]:
+        held: dict = {}
+        module.register_forward_pre_hook(partial(upcasts.enter, held=held))
+        module.register_forward_hook(partial(upcasts.leave, held=held), always_call=True)
 
 
 def _processed_bridge(bridge, processing: Processing):

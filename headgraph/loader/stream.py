@@ -14,14 +14,15 @@ norm into its attention and centring its W_O only read those, so the result equa
 Adapters with their own pre- or post-processing hooks (e.g. Phi-3, Cohere) do not stream "tl": the whole model
 loads as before (`streamable` says why).
 
-The forward passes need the whole model. The role tests read attention patterns only, which TransformerLens'
-processing does not change (it folds norms into the weights and centres them, leaving the function as it is):
-inside `patterns_only()` the bridge is the raw checkpoint held in its stored dtype, each block upcast to float32
-while it runs (headgraph.loader.models.raw_bridge: the same patterns as the float32 model, at half its bytes for
-a bf16 checkpoint). The causal effects read activations and weights in the processing asked: `StreamedModel.bridge`
-is the weightless bridge until `allow_loading()` is called (headgraph.pipeline does, once the PK stages have
-released what they held); its first use after that loads the model through headgraph.loader.models.load_model, in
-float32.
+The forward passes need the whole model, and run it as the checkpoint stores it: once `allow_loading()` is
+called (headgraph.pipeline does, once the PK stages have released what they held), `StreamedModel.bridge` is the
+raw checkpoint with its weight matrices held in their stored dtype, each block's upcast to float32 while it runs
+and again when a backward pass reads it (headgraph.loader.models.raw_bridge: the float32 model's activations and
+gradients at half its bytes for a bf16 checkpoint). The role tests read attention patterns, which TransformerLens'
+processing does not change (it folds norms into the weights and centres them, leaving the function as it is);
+the causal effects read what the processing does change, each head's W_O and the value bias in its z, through
+headgraph.analysis.causal.network's view of a raw bridge under "tl" (tests/test_stream.py: the same effects as
+the loaded, processed model).
 """
 
 import contextlib
@@ -138,8 +139,9 @@ def _uses_own_processing(adapter) -> str | None:
 class StreamedModel:
     """A model whose attention weights are read layer by layer (`head_layers`); `cfg`, `name`, `source`,
     `processing` and `tokenizer` as a LoadedModel's (cfg's processing_warnings complete once "tl" has run).
-    `bridge` is weightless (config, tokenizer) until `allow_loading()`, then the whole model's in float32 (loaded
-    on first use); within `patterns_only()` it is the raw checkpoint held in its stored dtype."""
+    `bridge` is weightless (config, tokenizer) until `allow_loading()`, then the raw checkpoint's with its matrices
+    held in their stored dtype (built on first use, see the module docstring); within `patterns_only()` it is that
+    bridge too."""
 
     name: str
     source: str
@@ -150,10 +152,9 @@ class StreamedModel:
     skeleton: Any = field(repr=False)  # the weightless bridge
     holders: dict[str, tuple[torch.nn.Module, str]] = field(repr=False)  # checkpoint name -> (module, attribute)
     stored_dtypes: tuple[str, ...] = ()
-    loaded: Any = field(default=None, repr=False)
     _may_load: bool = field(default=False, repr=False)
     _tokenizer_given: Any = field(default=None, repr=False)
-    _patterns_bridge: Any = field(default=None, repr=False)
+    _forward: Any = field(default=None, repr=False)  # the raw checkpoint's bridge, for forward passes
 
     @property
     def tokenizer(self):
@@ -161,38 +162,39 @@ class StreamedModel:
 
     @property
     def bridge(self):
-        if self._patterns_bridge is not None:
-            return self._patterns_bridge
-        if self.loaded is None and self._may_load:
-            from headgraph.loader.models import load_model
-
-            self.loaded = load_model(self.source, processing=self.processing, device=self.device,
-                                     tokenizer=self._tokenizer_given)
-        return self.skeleton if self.loaded is None else self.loaded.bridge
+        if self._forward is None and self._may_load:
+            self._forward = self._raw_bridge()
+        return self.skeleton if self._forward is None else self._forward
 
     @property
     def patterns_dtype(self) -> torch.dtype:
-        """The dtype `patterns_only()` holds the weights in: the checkpoint's when all its floating tensors are bf16
-        or all float16, else float32."""
+        """The dtype the forward passes hold the weight matrices in: the checkpoint's when all its floating tensors
+        are bf16 or all float16, else float32."""
         stored = set(self.stored_dtypes) & set(COMPUTABLE)
         return COMPUTABLE[stored.pop()] if stored in ({"BF16"}, {"F16"}) else torch.float32
 
-    @contextlib.contextmanager
-    def patterns_only(self):
-        """Within it, `bridge` is the raw checkpoint in `patterns_dtype`, computing in float32 one block at a time
-        (headgraph.loader.models.raw_bridge): for forward passes that read attention patterns only. Released on
-        exit."""
+    def _raw_bridge(self):
         from headgraph.loader.models import raw_bridge
 
-        self._patterns_bridge = raw_bridge(Path(self.source), self.name, self.device, self.patterns_dtype,
-                                           self._tokenizer_given)
+        return raw_bridge(Path(self.source), self.name, self.device, self.patterns_dtype, self._tokenizer_given)
+
+    @contextlib.contextmanager
+    def patterns_only(self):
+        """Within it, `bridge` is the raw checkpoint held in `patterns_dtype`, computing in float32 one block at a
+        time (headgraph.loader.models.raw_bridge): for forward passes that read attention patterns only. Released
+        on exit unless `allow_loading()` keeps it for the causal effects."""
+        made = self._forward is None and not self._may_load
+        if made:
+            self._forward = self._raw_bridge()
         try:
             yield self
         finally:
-            self._patterns_bridge = None
+            if made:
+                self._forward = None
 
     def allow_loading(self) -> None:
-        """From now on the first use of `bridge` loads the whole model (for forward passes)."""
+        """From now on the first use of `bridge` builds the raw checkpoint's bridge for forward passes and keeps
+        it."""
         self._may_load = True
 
     def head_layers(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from headgraph.errors import UsageError
 
@@ -189,3 +189,12 @@ def save_synthetic_gqa(
         LlamaForCausalLM(config).save_pretrained(str(path))
     save_tokenizer(path, vocab)
     return path
+
+
+def as_bf16(folder: Path) -> Path:
+    """The checkpoint in `folder` with its floating tensors stored as bf16, as most released checkpoints are."""
+    for shard in Path(folder).glob("*.safetensors"):
+        state = load_file(str(shard))
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}, str(shard),
+                  metadata={"format": "pt"})
+    return Path(folder)

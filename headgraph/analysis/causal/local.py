@@ -276,7 +276,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         predicted[batch.rows] = (batch.real[:, 1:] & batch.real[:, :-1]).sum(-1).cpu().numpy()
         receivers = {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)}
         for l, recv in receivers.items():
-            outputs[l, :, batch.rows] = (_squared_outputs(net, l, recv.z) * batch.real[:, :, None]).sum(1).T.cpu()
+            z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
+            outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
         chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), max_memory - kept), {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):

@@ -90,6 +90,7 @@ class Net:
     # local_path "recompute": W_V_out = W_V R [L, H, d, e] (W_V of each query head's KV head), the values read so
     # that ||Δz R|| is the output change's norm, and out_root_inverse R^-1 [L, H, e, e]
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
+    z_offset: torch.Tensor | None = None  # [L, H, e]: what "tl" folds out of a raw bridge's z (`processed_outputs`)
 
     @property
     def post_ln(self) -> bool:
@@ -168,18 +169,45 @@ def network(model, probe: TokenInputs) -> Net:
             weights[f"b_{t}"] = getattr(bridge, f"b_{t}").detach().float()
         except AttributeError:  # a bias-free projection (the bridge exposes no stacked bias)
             weights[f"b_{t}"] = weights[f"W_{t}"].new_zeros(weights[f"W_{t}"].shape[:2] + weights[f"W_{t}"].shape[3:])
+    offset = None
+    if model.processing == "tl" and not bridge.compatibility_mode:  # a streamed checkpoint's raw weights
+        weights["W_O"], offset = processed_outputs(bridge, weights)
     root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
     layout, out_norm = _layout(bridge, probe)
     rotary = getattr(cfg, "positional_embedding_type", None) == "rotary"
     net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
               is_decoder=cfg.attention_dir == "causal", layout=layout, out_norm=out_norm, path="recompute",
               local_path="recompute", rotary=rotary, scale=1.0 / math.sqrt(cfg.d_head), weights=weights,
-              out_root=root)
+              out_root=root, z_offset=offset)
     if layout != "resid" and not out_norm and _recomputes(net, probe):
         weights["W_V_out"] = weights["W_V"].repeat_interleave(net.kv_group, 1) @ root
         weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
         return net if n_kv == net.n_heads and not rotary else dataclasses.replace(net, path="module")
     return dataclasses.replace(net, path="module", local_path="module")
+
+
+def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_O [L, H, e, d], z offset [L, H, e]) of TransformerLens' processing ("tl") for a bridge that holds raw
+    weights (a streamed checkpoint's forward passes): what the processed model's heads write and read that the raw
+    one's do not. The processing centres each head's W_O along d_model in a model normed by LayerNorm (not by
+    RMSNorm, nor with a final RMSNorm), and folds each value bias into b_O, after folding ln1's shift β into it
+    where it folds the norms: its z is the raw z less b_V + β W_V (attention rows sum to 1). Everything else it
+    does leaves the function, and so the patterns, losses and changes, as they are. Checked against the
+    processed model on every family of headgraph.testing.families (tests/test_stream.py)."""
+    cfg, adapter = bridge.cfg, bridge.adapter
+    w_o, w_v = weights["W_O"], weights["W_V"]
+    layer_norm = cfg.normalization_type in ("LN", "LNPre")
+    if layer_norm and not getattr(cfg, "final_rms", False) and getattr(adapter, "supports_center_writing_weights",
+                                                                         True):
+        w_o = w_o - w_o.mean(-1, keepdim=True)
+    offset = weights["b_V"].clone()
+    if layer_norm and getattr(adapter, "supports_fold_ln", True):
+        for layer, block in enumerate(bridge.blocks):
+            norm = getattr(block, "ln1", None)
+            beta = None if norm is None else getattr(norm.original_component, "bias", None)
+            if beta is not None:
+                offset[layer] += torch.einsum("d,gde->ge", beta.detach().float(), w_v[layer])
+    return w_o, offset.repeat_interleave(w_o.shape[1] // offset.shape[1], 1)
 
 
 def _recomputes(net: Net, probe: TokenInputs) -> bool:
