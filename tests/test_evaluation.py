@@ -201,14 +201,18 @@ def test_resampled_ranks_are_scipys_average_ranks_of_each_resample():
     np.testing.assert_allclose(ranks[items, 0], rankdata(distinct[items]))
 
 
-def test_spearman_interval_is_the_percentile_interval_of_scipys_rho_on_each_resample():
+@pytest.mark.parametrize("drawn_at_once", [E.DRAWN_AT_ONCE, 660])
+def test_spearman_interval_is_the_percentile_interval_of_scipys_rho_on_each_resample(monkeypatch, drawn_at_once):
+    """All 300 resamples in one block, and (660 draws at once) in blocks of 11 resamples."""
     from scipy.stats import spearmanr
 
+    monkeypatch.setattr(E, "DRAWN_AT_ONCE", drawn_at_once)
     rng = np.random.default_rng(2)
     y = rng.gamma(1.0, size=60)
     xs = [np.round(y + rng.normal(size=60), 1), rng.normal(size=60)]  # ties, and no dependence
     got = E.spearman_intervals(xs, y, n_boot=300, seed=7)
-    draws = np.random.default_rng(7).integers(0, 60, size=(300, 60))  # resample b draws pairs draws[b]
+    block, stream = max(1, drawn_at_once // 60), np.random.default_rng(7)  # resample b draws pairs draws[b]
+    draws = np.concatenate([stream.integers(0, 60, size=(min(block, 300 - s), 60)) for s in range(0, 300, block)])
     for x, (rho, lo, hi) in zip(xs, got):
         boot = [spearmanr(x[d], y[d]).statistic for d in draws]
         assert rho == pytest.approx(spearmanr(x, y).statistic)

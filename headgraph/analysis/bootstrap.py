@@ -26,7 +26,13 @@ def resample_counts(n: int, n_boot: int, seed) -> np.ndarray:
     """Copies [n, n_boot] (float) of each of n items in each of n_boot resamples of n draws with replacement:
     resample b draws items `np.random.default_rng(seed).integers(0, n, size=(n_boot, n))[b]`. `seed` is any
     seed numpy takes (an int, or a list such as [seed, stream] for an independent stream)."""
-    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) * n_boot + np.arange(n_boot)[:, None]
+    return draw_counts(np.random.default_rng(seed), n, n_boot)
+
+
+def draw_counts(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
+    """Copies [n, n_boot] of each item in n_boot resamples drawn from `rng` as
+    `rng.integers(0, n, size=(n_boot, n))` (resample b: its row b)."""
+    draws = rng.integers(0, n, size=(n_boot, n)) * n_boot + np.arange(n_boot)[:, None]
     return np.bincount(draws.ravel(), minlength=n * n_boot).reshape(n, n_boot).astype(float)
 
 

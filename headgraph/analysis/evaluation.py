@@ -18,13 +18,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from headgraph.analysis.bootstrap import percentile_interval, resample_counts
+from headgraph.analysis.bootstrap import draw_counts, percentile_interval
 from headgraph.analysis.classes import HeadClasses
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
 DEFAULT_EVAL_K = 20  # edges per type of precision@k, when the graph's selection has no top_k
+DRAWN_AT_ONCE = 2**22  # draws of spearman_intervals' resamples at once (each block's arrays: 32 MB of floats)
 
 
 def typed_pairs(pairs: pd.DataFrame, types=COMPOSITION_TYPES) -> pd.DataFrame:
@@ -156,36 +157,41 @@ def _resampled_ranks(values: np.ndarray, counts: np.ndarray, work: tuple[np.ndar
 def spearman_intervals(xs, y: np.ndarray, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
                        confidence: float = 0.95) -> list[tuple[float, float, float]]:
     """Spearman's rho of each x in `xs` with y and its percentile bootstrap interval over pairs, every x on the
-    same resamples (drawn once, and y ranked once in each): a resample's rho is the count-weighted Pearson
-    correlation of the resample's own average ranks (`_resampled_ranks`), all resamples at once. The ranks of
-    n draws always average (n + 1) / 2, so they are centred on that.
+    same resamples (and y ranked once in each): a resample's rho is the count-weighted Pearson correlation of the
+    resample's own average ranks (`_resampled_ranks`). The ranks of n draws always average (n + 1) / 2, so they
+    are centred on that. Resamples are drawn in blocks of max(1, DRAWN_AT_ONCE // n), block after block from
+    `np.random.default_rng(seed)` as `integers(0, n, size=(block, n))` (one block, all n_boot resamples, up to
+    DRAWN_AT_ONCE draws), so that a million pairs take a few hundred MB, not n x n_boot floats several times.
 
     >>> x = np.arange(50.0)
     >>> [tuple(round(v, 9) for v in r) for r in spearman_intervals([x, -x], x ** 3)]  # monotone: every resample
     [(1.0, 1.0, 1.0), (-1.0, -1.0, -1.0)]
     """
     y = np.asarray(y, float)
+    xs = [np.asarray(x, float) for x in xs]
     n = len(y)
     if n < 3:
         return [(float("nan"),) * 3 for _ in xs]
-    counts = resample_counts(n, n_boot, seed)  # n draws with replacement per resample, as copies per pair
-    work = (np.empty_like(counts), np.empty_like(counts))
-    centre = (n + 1) / 2
-    ry = _resampled_ranks(y, counts, work) - centre
-    syy = np.einsum("ib,ib,ib->b", counts, ry, ry)
+    rng, block, centre = np.random.default_rng(seed), max(1, DRAWN_AT_ONCE // n), (n + 1) / 2
+    boots = [[] for _ in xs]
+    for start in range(0, n_boot, block):
+        counts = draw_counts(rng, n, min(block, n_boot - start))  # copies per pair in each resample
+        work = (np.empty_like(counts), np.empty_like(counts))
+        ry = _resampled_ranks(y, counts, work) - centre
+        syy = np.einsum("ib,ib,ib->b", counts, ry, ry)
+        for x, boot in zip(xs, boots):
+            rx = _resampled_ranks(x, counts, work)
+            rx -= centre
+            sxy = np.einsum("ib,ib,ib->b", counts, rx, ry)
+            sxx = np.einsum("ib,ib,ib->b", counts, rx, rx)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                boot.append(sxy / np.sqrt(sxx * syy))
     results = []
-    for x in xs:
-        x = np.asarray(x, float)
-        rho = float(stats.spearmanr(x, y).statistic)
-        rx = _resampled_ranks(x, counts, work)
-        rx -= centre
-        sxy = np.einsum("ib,ib,ib->b", counts, rx, ry)
-        sxx = np.einsum("ib,ib,ib->b", counts, rx, rx)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            boot = sxy / np.sqrt(sxx * syy)
+    for x, boot in zip(xs, boots):
+        boot = np.concatenate(boot)
         finite = boot[np.isfinite(boot)]
         lo, hi = percentile_interval(finite, confidence) if len(finite) else (np.nan, np.nan)
-        results.append((rho, float(lo), float(hi)))
+        results.append((float(stats.spearmanr(x, y).statistic), float(lo), float(hi)))
     return results
 
 
