@@ -25,34 +25,37 @@ LOCAL_COLUMNS = PAIR_KEY + ["effect", "effect_lo", "effect_hi", "effect_attr", "
 
 
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
-    """What the local effect projects a changed input through: W_Q [H, d, e] or W_K [KV, d, e], and W_V R
-    [H, d, e] for values (each query head's KV head's W_V), so that a query head's changed z comes out as Δz R,
-    whose squared norm is its output change's ||Δz W_O||²."""
-    return net.weights["W_V_out" if kind == "V" else f"W_{kind}"][layer]
+    """What the local effect projects a changed input through, in float32: W_Q [H, d, e] or W_K [KV, d, e], and
+    W_V R [H, d, e] for values (each query head's KV head's W_V), so that a query head's changed z comes out as
+    Δz R, whose squared norm is its output change's ||Δz W_O||²."""
+    return net.weight("W_V_out" if kind == "V" else f"W_{kind}", layer)
 
 
 class _FactoredWeights:
-    """What `_FactoredChange` needs of the weights, the same for every batch: Γ W per (receiver layer, kind),
-    with Γ = diag(γ) of the receiver's ln1 and W the `local_weight`, and c(W_O[s]) Γ W [S, e, H, e] per (sender
-    layer, sender heads, receiver layer, kind), c(W_O) = W_O with each row centred (a LayerNorm; W_O itself
+    """What `_FactoredChange` needs of the weights, the same for every batch: γ of each receiver layer's ln1 (None
+    for a norm without a weight), and c(W_O[s]) Γ W [S, e, H, e] per (sender layer, sender heads, receiver layer,
+    kind), with Γ = diag(γ), W the `local_weight` and c(W_O) = W_O with each row centred (a LayerNorm; W_O itself
     for an RMSNorm, `centred` False), kept while they fit `budget` bytes and computed again per batch beyond
     that."""
 
-    def __init__(self, net: Net, kinds: Sequence[str], budget: int, centred: bool):
-        w_o = net.weights["W_O"]
-        self.w_o = w_o - w_o.mean(-1, keepdim=True) if centred else w_o  # c(W_O)
-        self.budget, self.eps, self.scaled, self.kept, self.centred = budget, {}, {}, {}, centred
+    def __init__(self, net: Net, budget: int, centred: bool):
+        self.net, self.budget, self.centred, self.kept, self.gamma, self.eps = net, budget, centred, {}, {}, {}
         for layer in range(1, net.n_layers):
             gamma, self.eps[layer], _ = net.layer_norm(layer, 1)
-            for kind in kinds:
-                w = local_weight(net, layer, kind)  # [H, d, e]
-                self.scaled[layer, kind] = w if gamma is None else gamma.detach().to(w)[None, :, None] * w  # Γ W
+            self.gamma[layer] = None if gamma is None else gamma.detach().float()
+
+    def scaled(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x Γ: x [..., d] scaled by the receiver layer's γ."""
+        return x if self.gamma[layer] is None else x * self.gamma[layer]
 
     def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
         key = (sender_layer, heads.start, layer, kind)
         if key in self.kept:
             return self.kept[key]
-        mixed = torch.einsum("sed,hdf->sehf", self.w_o[sender_layer, heads], self.scaled[layer, kind])
+        w_o = self.net.weight("W_O", sender_layer, heads)
+        if self.centred:
+            w_o = w_o - w_o.mean(-1, keepdim=True)
+        mixed = torch.einsum("sed,hdf->sehf", self.scaled(w_o, layer), local_weight(self.net, layer, kind))
         if mixed.numel() * mixed.element_size() <= self.budget:
             self.kept[key] = mixed
             self.budget -= mixed.numel() * mixed.element_size()
@@ -96,8 +99,8 @@ class _FactoredChange:
     def project(self, layer: int, kind: str) -> torch.Tensor:
         dz_over_sigma, inv_change = self._scales(layer)
         if (layer, kind) not in self.clean:  # γ·c(x) W
-            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.clean[layer][0],
-                                                   self.weights.scaled[layer, kind])
+            self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.weights.scaled(self.clean[layer][0], layer),
+                                                   local_weight(self.weights.net, layer, kind))
         mixed = self.weights.mixed(self.sender_layer, self.heads, layer, kind)
         change = torch.einsum("btse,sehf->sbthf", dz_over_sigma, mixed)  # γ·c(Δ) W / σ'
         return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
@@ -236,10 +239,10 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     NaN where r's clean output is zero, for V), effect_attr, effect_attr_lo, effect_attr_hi (NaN for an
     encoder). An attribution is a linear estimate of what `loss_effects` measures exactly: it can miss where the
     loss is far from linear in the receiver's change (a saturated softmax downstream), which is why exact
-    patching checks it on the selected edges. `max_memory` bounds one batched step's working bytes together
-    with the c(W_O) Γ W products a pre-LN model's steps share across batches (kept in what the widest step
-    leaves of it, computed again per batch beyond that).
-    """
+    patching checks it on the selected edges. `max_memory` bounds the Net's copies of the weights (`Net.nbytes`)
+    together with one batched step's working bytes and the c(W_O) Γ W products a pre-LN model's steps share
+    across batches (kept in what the widest step leaves of it, computed again per batch beyond that); the model
+    itself is not counted."""
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
     kinds = []
@@ -268,8 +271,9 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
-    kept = _kept_budget(net, sets, batch_size, max_memory) if factor else 0
-    weights = _FactoredWeights(net, kinds, kept, centring.pop()) if factor else None
+    working = max(0, max_memory - net.nbytes)
+    kept = _kept_budget(net, sets, batch_size, working) if factor else 0
+    weights = _FactoredWeights(net, kept, centring.pop()) if factor else None
     for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None,
                          path=net.local_path):
         queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
@@ -278,7 +282,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         for l, recv in receivers.items():
             z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), max_memory - kept), {}
+        chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), working - kept), {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))

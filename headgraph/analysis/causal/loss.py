@@ -71,7 +71,7 @@ def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind:
         _, z = patched_attention(net, batch, recv, kind, x, head if together else None)
         return heads, (z[0, :, :, heads] - recv.z[:, :, heads])
     heads = slice(head, head + 1)
-    d = project(input_change(net, batch, recv, layer, delta), net.weights[f"W_{kind}"][layer, heads])
+    d = project(input_change(net, batch, recv, layer, delta), net.weight(f"W_{kind}", layer, heads))
     if kind == "V":
         return heads, value_change(recv, d, heads)[0]
     new = patched_pattern(net, recv, d, kind, heads)[0, :, 0]
@@ -206,7 +206,8 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     arguments give the same counterfactuals). Returns those four columns, in the edges' order, with
     effect_loss, effect_loss_lo, effect_loss_hi: decoder, patched minus clean next-token cross-entropy in nats
     per predicted token (positive = the path helps the model); encoder, ||h' - h||_F / ||h||_F of the final
-    hidden states. An input's patched copies share forward passes (`max_memory` bytes each), each copy
+    hidden states. An input's patched copies share forward passes (`max_memory` bytes each with the Net's copies of
+    the weights), each copy
     joining at its target layer: the layers before it run once per pass, not once per edge.
     """
     check_counts(n_boot, batch_size)
@@ -233,7 +234,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
         for i in range(len(batch.real)):
             one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
             T = one.input_ids.shape[1]
-            step = _copies_per_pass(net, T, max_memory)
+            step = _copies_per_pass(net, T, max(0, max_memory - net.nbytes))
             for first in range(0, len(changes), step):
                 out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
                                                   for layer, head, dz in changes[first:first + step]], logits)

@@ -86,7 +86,8 @@ class Net:
     local_path: Path  # local effects': "recompute" also for rotary and grouped-query attention
     rotary: bool  # queries and keys rotated by the cos/sin of each layer's attention call (path "recompute")
     scale: float
-    weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d];
+    weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d]
+    # (W_* in the bridge's dtype: a bf16 checkpoint's raw weights exactly, read in float32 through `weight`);
     # local_path "recompute": W_V_out = W_V R [L, H, d, e] (W_V of each query head's KV head), the values read so
     # that ||Δz R|| is the output change's norm, and out_root_inverse R^-1 [L, H, e, e]
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
@@ -95,6 +96,16 @@ class Net:
     @property
     def post_ln(self) -> bool:
         return self.layout == "post"
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its copies of the weights: what a stage's `max_memory` holds besides its working bytes."""
+        held = [*self.weights.values(), self.out_root] + ([] if self.z_offset is None else [self.z_offset])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def weight(self, name: str, layer: int, heads: slice = slice(None)) -> torch.Tensor:
+        """weights[name][layer, heads] in float32."""
+        return self.weights[name][layer, heads].float()
 
     @property
     def kv_group(self) -> int:
@@ -163,16 +174,17 @@ def network(model, probe: TokenInputs) -> Net:
     bridge = model.bridge
     cfg = bridge.cfg
     n_kv = int(cfg.n_key_value_heads or cfg.n_heads)
-    weights = {n: getattr(bridge, n).detach().float() for n in ("W_Q", "W_K", "W_V", "W_O")}
+    weights = {n: getattr(bridge, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O")}
     for t in "QKV":
         try:
             weights[f"b_{t}"] = getattr(bridge, f"b_{t}").detach().float()
         except AttributeError:  # a bias-free projection (the bridge exposes no stacked bias)
-            weights[f"b_{t}"] = weights[f"W_{t}"].new_zeros(weights[f"W_{t}"].shape[:2] + weights[f"W_{t}"].shape[3:])
+            w = weights[f"W_{t}"]
+            weights[f"b_{t}"] = w.new_zeros(w.shape[:2] + w.shape[3:], dtype=torch.float32)
     offset = None
     if model.processing == "tl" and not bridge.compatibility_mode:  # a streamed checkpoint's raw weights
         weights["W_O"], offset = processed_outputs(bridge, weights)
-    root = torch.linalg.qr(weights["W_O"].transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
+    root = torch.linalg.qr(weights["W_O"].float().transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
     layout, out_norm = _layout(bridge, probe)
     rotary = getattr(cfg, "positional_embedding_type", None) == "rotary"
     net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
@@ -180,7 +192,8 @@ def network(model, probe: TokenInputs) -> Net:
               local_path="recompute", rotary=rotary, scale=1.0 / math.sqrt(cfg.d_head), weights=weights,
               out_root=root, z_offset=offset)
     if layout != "resid" and not out_norm and _recomputes(net, probe):
-        weights["W_V_out"] = weights["W_V"].repeat_interleave(net.kv_group, 1) @ root
+        weights["W_V_out"] = torch.stack([net.weight("W_V", l).repeat_interleave(net.kv_group, 0) @ root[l]
+                                          for l in range(net.n_layers)])
         weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
         return net if n_kv == net.n_heads and not rotary else dataclasses.replace(net, path="module")
     return dataclasses.replace(net, path="module", local_path="module")
@@ -199,14 +212,15 @@ def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.T
     layer_norm = cfg.normalization_type in ("LN", "LNPre")
     if layer_norm and not getattr(cfg, "final_rms", False) and getattr(adapter, "supports_center_writing_weights",
                                                                          True):
-        w_o = w_o - w_o.mean(-1, keepdim=True)
+        w_o = w_o.float()
+        w_o -= w_o.mean(-1, keepdim=True)
     offset = weights["b_V"].clone()
     if layer_norm and getattr(adapter, "supports_fold_ln", True):
         for layer, block in enumerate(bridge.blocks):
             norm = getattr(block, "ln1", None)
             beta = None if norm is None else getattr(norm.original_component, "bias", None)
             if beta is not None:
-                offset[layer] += torch.einsum("d,gde->ge", beta.detach().float(), w_v[layer])
+                offset[layer] += torch.einsum("d,gde->ge", beta.detach().float(), w_v[layer].float())
     return w_o, offset.repeat_interleave(w_o.shape[1] // offset.shape[1], 1)
 
 
@@ -372,12 +386,12 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int =
             grads = torch.autograd.grad(loss, [kept[name] for name in names])
         for name, g in zip(names, grads):
             found[name].append(g.float())
-    w_o = net.weights["W_O"]
     found_by_layer = {}
     for l in range(net.n_layers):
         v = clean[values[l]].float()
         v = v.repeat_interleave(net.n_heads // v.shape[2], dim=2)  # a KV head's values for each query head
-        metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o[l], w_o[l])  # Δz W_O W_O^T
+        w_o = net.weight("W_O", l)
+        metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o, w_o)  # Δz W_O W_O^T
         places = torch.einsum("bkhe,bqhe->bhqk", v, metric)
         z_grads = torch.stack(found[f"blocks.{l}.attn.hook_z"])
         z_out = None
@@ -498,7 +512,7 @@ def _recompute_error(net: Net, batch: Batch, layer: int) -> tuple[Layer, float]:
     """The layer's attention recomputed from its input, and its largest error relative to the model's own z."""
     w = net.weights
     x = batch.resid[layer] if net.post_ln else net.norm(layer, 1, batch.resid[layer])
-    q, k, v = (torch.einsum("btd,hde->bthe", x, w[f"W_{t}"][layer]) + w[f"b_{t}"][layer] for t in "QKV")
+    q, k, v = (torch.einsum("btd,hde->bthe", x, net.weight(f"W_{t}", layer)) + w[f"b_{t}"][layer] for t in "QKV")
     rotary = _rotary(net, batch, layer)
     if net.rotary and rotary is None:
         return Layer(x=x, q=q, k=k, v=v, scores=None, pattern=q, z=q, layer=layer), math.inf
@@ -599,7 +613,7 @@ def sender_writes(net: Net, batch: Batch, layer: int, heads: slice) -> torch.Ten
     """Δ_s [S, b, T, d]: what each head of `heads` of a sender layer changes in the residual stream, its output
     (z_s(x') - z_s(x)) W_O[s]; through ln1_post where that norm acts on the attention output (Gemma 2/3, OLMo-2):
     ln1_post(a + Δz_s W_O[s]) - ln1_post(a), a the clean attention output, the other heads held clean."""
-    delta = torch.einsum("bthe,hed->hbtd", batch.dz[layer][:, :, heads], net.weights["W_O"][layer, heads])
+    delta = torch.einsum("bthe,hed->hbtd", batch.dz[layer][:, :, heads], net.weight("W_O", layer, heads))
     if not net.out_norm:
         return delta
     out = batch.hooked[f"blocks.{layer}.attn.hook_out"].float()
