@@ -112,10 +112,12 @@ def analyze(source, out: Path, **settings):
 
 
 @pytest.mark.slow
-def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
-    """The folder with the default options (streamed to the PK, then loaded for roles and effects) against the
-    same model passed in loaded."""
-    folder = checkpoints["llama"]
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path, family):
+    """The folder stored in bf16 with the default options (streamed to the PK, its roles and effects run on the
+    weights as stored) against the same checkpoint passed in loaded in float32 and processed: a GPT-2 (LayerNorm,
+    biases, tied embeddings) and a Llama (RMSNorm, grouped-query), norms random."""
+    folder = as_bf16(shutil.copytree(checkpoints[family], tmp_path / family))
     streamed = analyze(folder, tmp_path / "streamed")
     bridge = load_model(folder, device="cpu").bridge
     loaded = analyze(bridge, tmp_path / "loaded")
@@ -125,8 +127,9 @@ def test_a_streamed_analysis_equals_the_loaded_models(checkpoints, tmp_path):
     assert list(zip(a.source, a.target, a.source_type + a.target_type)) == list(zip(b.source, b.target,
                                                                                     b.source_type + b.target_type))
     np.testing.assert_allclose(a.pk, b.pk, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(a.effect, b.effect, atol=1e-6, rtol=0, equal_nan=True)
-    assert a.effect.notna().sum() > 0
+    for column in ("effect", "effect_attr", "effect_loss"):
+        np.testing.assert_allclose(a[column], b[column], atol=1e-6, rtol=0, equal_nan=True, err_msg=column)
+        assert a[column].notna().sum() > 0, column
     heads_a, heads_b = streamed.result.heads, loaded.result.heads
     scores = [c for c in heads_a.columns if c.endswith("_score")]
     assert len(scores) == 5 and list(heads_a.columns) == list(heads_b.columns)

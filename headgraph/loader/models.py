@@ -448,7 +448,8 @@ def _bridge(model, device: str, tokenizer, name: str, dtype: torch.dtype = torch
 
 def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokenizer=None):
     """The bridge of the checkpoint in `folder` with its raw weight matrices held in `dtype` (bf16 or float16: half
-    the bytes of float32), computing as the same bridge loaded in float32 would (run_blocks_in_float32). Its
+    the bytes of float32), embeddings included, computing as the same bridge loaded in float32 would
+    (run_blocks_in_float32). Its
     attention patterns, activations and gradients equal those of load_model(folder, "raw") in float32 bit for bit
     (tests/test_stream.py), but a non-persistent buffer transformers builds in `dtype` (e.g. Gemma's embedding
     scale) keeps that dtype's rounding."""
@@ -511,21 +512,26 @@ class _Upcasts:
 
 
 def run_blocks_in_float32(bridge) -> None:
-    """Cast every floating tensor of `bridge` but its blocks' weight matrices (embeddings, unembedding, final norm,
-    every norm weight and bias, buffers) to float32, and hook each block and each block's attention so that their
-    matrices are float32 while they run and their stored tensors are put back after: the model then holds at most
-    one block in float32 besides its stored weights, also through a backward pass (`_Upcasts`)."""
-    matrices = {id(p) for block in bridge.blocks for p in block.parameters() if p.dim() >= 2}
+    """Cast every floating tensor of `bridge` but its weight matrices (norm weights and biases, buffers) to float32,
+    and hook each block, each block's attention and each module outside the blocks that holds a matrix
+    (embeddings, unembedding) so that their matrices are float32 while they run and their stored tensors are put
+    back after: the model then holds at most one block in float32 besides its stored weights, also through a
+    backward pass (`_Upcasts`)."""
+    inside = {id(m) for block in bridge.blocks for m in block.modules()}
+    wrapper = {id(getattr(m, "original_component", None)): m for m in bridge.modules()}  # the bridge's component
+    outside = [wrapper.get(id(m), m) for m in bridge.modules()  # (it reads the dtype its output is cast to)
+               if id(m) not in inside and any(p is not None and p.dim() >= 2 for p in m._parameters.values())]
     with torch.no_grad():
         for p in bridge.parameters():
-            if id(p) not in matrices:
+            if p.dim() < 2:
                 p.data = p.data.float()
         for module in bridge.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.float()
     upcasts = _Upcasts()
-    for module in [m for block in bridge.blocks for m in (block, getattr(block, "attn", None)) if m is not None]:
+    blocks = [m for block in bridge.blocks for m in (block, getattr(block, "attn", None)) if m is not None]
+    for module in blocks + outside:
         held: dict = {}
         module.register_forward_pre_hook(partial(upcasts.enter, held=held))
         module.register_forward_hook(partial(upcasts.leave, held=held), always_call=True)

@@ -85,8 +85,26 @@ def _plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
     if type(linear) is not torch.nn.Linear:
         return None
     logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
-    mine = torch.nn.functional.linear(hidden["unembed.hook_in"], linear.weight, linear.bias)
+    flat = hidden["unembed.hook_in"].flatten(0, 1)
+    mine = _unembed(linear, flat, flat.new_empty(len(flat), linear.weight.shape[0])).view_as(logits)
     return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
+
+
+_VOCAB_ROWS = 8192  # unembedding rows upcast at once from a weight held in bf16 or float16
+
+
+def _unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(flat) [rows, V] into `out` in float32; a weight held in another dtype (a streamed checkpoint's
+    forward passes) upcast _VOCAB_ROWS rows at a time."""
+    weight, bias = linear.weight, linear.bias
+    if weight.dtype == torch.float32:
+        return torch.mm(flat, weight.T, out=out) if bias is None else torch.addmm(bias, flat, weight.T, out=out)
+    for start in range(0, weight.shape[0], _VOCAB_ROWS):
+        rows = slice(start, start + _VOCAB_ROWS)
+        out[:, rows] = flat @ weight[rows].float().T
+        if bias is not None:
+            out[:, rows] += bias[rows].float()
+    return out
 
 
 class _Logits:
@@ -99,17 +117,12 @@ class _Logits:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """linear(hidden) [G, T, V] for hidden [G, T, d], in the buffer (valid until the next call)."""
-        weight, bias = self.linear.weight, self.linear.bias
-        rows, size = hidden.shape[0] * hidden.shape[1], hidden.shape[0] * hidden.shape[1] * weight.shape[0]
+        vocab = self.linear.weight.shape[0]
+        rows, size = hidden.shape[0] * hidden.shape[1], hidden.shape[0] * hidden.shape[1] * vocab
         if self.buffer.numel() < size:
             self.buffer = torch.empty(0)  # the old buffer goes before the new one is allocated
-            self.buffer = torch.empty(size, dtype=weight.dtype, device=weight.device)
-        out = self.buffer[:size].view(rows, weight.shape[0])
-        flat = hidden.reshape(rows, -1)
-        if bias is None:
-            torch.mm(flat, weight.T, out=out)
-        else:
-            torch.addmm(bias, flat, weight.T, out=out)
+            self.buffer = torch.empty(size, dtype=torch.float32, device=hidden.device)
+        out = _unembed(self.linear, hidden.reshape(rows, -1), self.buffer[:size].view(rows, vocab))
         return out.view(*hidden.shape[:2], -1)
 
 
