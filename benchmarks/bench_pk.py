@@ -287,29 +287,48 @@ def analyze_steps(device: str, types: str, folder: Path, work: Path, max_memory:
 
 
 def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
-    """Matmul FLOPs (torch's FlopCounterMode) of the stages that run the model, on the folder's model with the
-    defaults analyze ran: the role tests (forward passes to the last attention pattern), the causal local effects
-    of every pair of the run's OQ/OK/OV types, and the loss effects of the run's edges that have one (read from
-    its pairs.parquet)."""
+    """Matmul FLOPs (torch's FlopCounterMode, backward passes included) of the stages that run the model, rerun
+    as the analyze of `run_dir` ran them: the folder opened as analyze opens it (streamed, its forward passes on
+    the stored weights), the role tests with the run's settings, the causal local effects of every pair of the
+    run's OQ/OK/OV types on the run's inputs, and the loss effects of exactly the edges that have one (read from
+    its pairs.parquet) on the run's loss inputs. Default processing, ablation, seed and batch settings, as
+    bench_scale and bench_analyze run analyze."""
     import pandas as pd
     from torch.utils.flop_counter import FlopCounterMode
 
-    from headgraph.analysis.causal import PAIR_KEY, CausalStage
+    from headgraph.analysis.causal import PAIR_KEY, CausalStage, loss_effects
     from headgraph.analysis.options import CausalOptions
     from headgraph.analysis.roles import compute_roles
-    from headgraph.loader.models import load_model
+    from headgraph.loader.stream import open_model, patterns_only
 
-    model = load_model(str(folder), device=device)
+    run = json.loads((run_dir / "run.json").read_text())
     pairs = pd.read_parquet(run_dir / "pairs.parquet")
-    types = sorted(set(pairs["source_type"] + pairs["target_type"]))
-    stage = CausalStage.prepare(model, CausalOptions(), seed=0)
-    flops = {}
-    for name, work in (("roles", lambda: compute_roles(model)),
-                       ("causal local", lambda: stage.local(pairs[PAIR_KEY], types, seed=0)),
-                       ("causal loss", lambda: stage.loss(pairs[PAIR_KEY], pairs[pairs["effect_loss"].notna()],
-                                                          seed=0))):
+    model = open_model(str(folder), device=device)
+    if hasattr(model, "allow_loading"):
+        model.allow_loading()
+    flops, work = {}, {}
+    roles = run.get("roles") or {}
+    if roles.get("n_inputs"):
+        def role_tests():
+            with patterns_only(model) as opened:
+                compute_roles(opened, n_inputs=roles["n_inputs"], design=roles.get("design", "fixed"))
+        work["roles"] = role_tests
+    causal = run.get("causal") or {}
+    if causal.get("inputs") and "skipped" not in causal:
+        loss_inputs = causal.get("loss_inputs_per_set") or {}
+        options = CausalOptions(n_inputs=max(causal["inputs"].values()),
+                                loss_inputs=max(loss_inputs.values()) if loss_inputs else None)
+        stage = CausalStage.prepare(model, options, seed=0)
+        work["causal local"] = lambda: stage.local(pairs[PAIR_KEY], causal["types"], seed=0)
+        if "effect_loss" in pairs and pairs["effect_loss"].notna().any():
+            inputs = tuple(s.batch(0, min(len(s), loss_inputs.get(s.name, len(s)))) for s in stage.inputs)
+            checked = pairs.loc[pairs["effect_loss"].notna(), PAIR_KEY]
+            work["causal loss"] = lambda: loss_effects(model, inputs, checked, options.ablation, n_boot=options.n_boot,
+                                                       seed=0, batch_size=options.batch_size,
+                                                       max_memory=options.max_memory)
+    for name, stage_work in work.items():
         with FlopCounterMode(display=False) as counter:
-            work()
+            stage_work()
         flops[name] = float(counter.get_total_flops())
     return flops
 

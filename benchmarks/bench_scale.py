@@ -6,6 +6,7 @@ Checkpoints are built offline; each stage's seconds and peak memory are printed 
     python3 benchmarks/bench_scale.py --shape tinyllama-1.1b --no-causal
     python3 benchmarks/bench_scale.py --shape llama3-8b --layers 4      # a subset of the 8B on a small machine
     python3 benchmarks/bench_scale.py --shape llama3-8b --device cuda --types all
+    python3 benchmarks/bench_scale.py --shape tinyllama-1.1b --causal-n 4 --floors   # causal stages vs their floor
 
 Shapes (--shape, repeatable): gpt2-small (12 layers x 12 heads, d_model 768, vocab 50257, tied embeddings),
 tinyllama-1.1b (22 x 32 heads, 4 KV heads, d_model 2048, MLP 5632, vocab 32000), llama3-8b (32 x 32 heads, 8 KV
@@ -222,6 +223,9 @@ def run_analyze(folder: Path, work: Path, args) -> dict:
                "--out", str(work / "run"), "--db", str(work / "graph.lbdb"), "--max-memory", args.max_memory]
     if args.types:
         command += ["--types", args.types]
+    for flag, value in (("--causal-n", args.causal_n), ("--causal-loss-inputs", args.causal_loss_inputs)):
+        if value is not None:
+            command += [flag, str(value)]
     command += [flag for flag, on in (("--no-roles", args.no_roles), ("--no-causal", args.no_causal),
                                       ("--no-report", args.no_report)) if on]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NEO4J_URI": ""}
@@ -326,6 +330,23 @@ def print_result(built: dict, result: dict) -> None:
         print(f"  {line}")
 
 
+GEMM_N = 2048  # the square matmul whose best time gives the fp32 GEMM peak of the floors
+
+
+def print_floors(folder: Path, run_dir: Path, result: dict, device: str) -> None:
+    """Each model stage's matmul FLOPs (bench_pk.counted_flops: the stage rerun as the run ran it, under torch's
+    FlopCounterMode) at the fp32 GEMM peak of a GEMM_N^3 product, beside the seconds analyze took for it."""
+    from bench_pk import counted_flops, gemm_flops_per_s
+
+    gemm = gemm_flops_per_s(device, GEMM_N)
+    took = {"roles": "roles", "causal local": "causal_local", "causal loss": "causal_loss"}
+    print(f"  floors at the fp32 GEMM peak of {gemm / 1e9:.1f} GFLOP/s ({GEMM_N}^3 matmul, best of 10):")
+    for name, flops in counted_flops(folder, device, run_dir).items():
+        floor, ran = flops / gemm, result["summary"]["timings_s"].get(took[name])
+        print(f"  {name:<26}{flops / 1e9:>10.0f} GFLOP = {floor:8.1f} s floor; ran {ran:.1f} s "
+              f"({ran / floor:.2f}x the floor)")
+
+
 def _proc_field(file: str, key: str) -> str | None:
     """The value of the first `key` line of a /proc file, or None (not Linux)."""
     path = Path("/proc") / file
@@ -387,6 +408,11 @@ def main():
                         "(default: the system's temporary folder); removed after")
     parser.add_argument("--timeout", type=float, default=None, help="kill each analyze process after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--causal-n", type=int, default=None, help="analyze --causal-n")
+    parser.add_argument("--causal-loss-inputs", type=int, default=None, help="analyze --causal-loss-inputs")
+    parser.add_argument("--floors", action="store_true", help="after each analyze, rerun its role tests and causal "
+                        "stages under torch's FlopCounterMode and print each one's matmul FLOPs at this machine's "
+                        "fp32 GEMM peak beside its time (as long again as those stages)")
     args = parser.parse_args()
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be at least 1")
@@ -405,6 +431,8 @@ def main():
                   f"{gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)} GiB)", flush=True)
             result = run_analyze(work / "checkpoint", work, args)
             print_result(built, result)
+            if args.floors and result["run"] is not None:
+                print_floors(work / "checkpoint", work / "run", result, args.device)
             results.append((shape, built, result))
             shutil.rmtree(work)
     print_summary(results)
