@@ -231,7 +231,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     receiver's exact change causes, Σ (A'_r − A_r) · ∂L/∂A_r for Q/K and Σ Δz_r · ∂L/∂z_r for V, the gradients
     from one backward pass per batch of clean inputs, in nats per predicted token like `loss_effects`.
 
-    `model` is a LoadedModel (its `bridge` is used). `inputs`: one input set or several; resample ablation
+    `model` is a LoadedModel or a streamed one after allow_loading() (its `bridge` is used; see `network`). `inputs`: one input set or several; resample ablation
     draws each input's counterfactual within its own set (`resample_inputs`, seeded), or takes `corrupted`
     (the same structure, row i the counterfactual of input i); mean ablation averages per set. Statistics pool
     all inputs. Returns one row per pair, types in the order given, then source, then target: source, target

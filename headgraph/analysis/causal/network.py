@@ -166,11 +166,12 @@ class Net:
 
 
 def network(model, probe: TokenInputs) -> Net:
-    """The Net of a LoadedModel, its paths chosen on `probe` (one input): local effects take "recompute" where
-    headgraph's own attention (scaled dot products of W_Q, W_K, W_V with biases, rotated by the model's rotary
-    cos/sin, each query head reading its KV head, softmax over the visible keys) reproduces the model's z on
-    every layer, loss effects where it does so without rotary or grouped heads; else "module", the bridge's own
-    attention modules run on patched inputs."""
+    """The Net of a LoadedModel, or of a StreamedModel whose bridge is the raw checkpoint (its W_O and z taken in
+    the processing asked: `processed_outputs`), its paths chosen on `probe` (one input): local effects take
+    "recompute" where headgraph's own attention (scaled dot products of W_Q, W_K, W_V with biases, rotated by the
+    model's rotary cos/sin, each query head reading its KV head, softmax over the visible keys) reproduces the
+    model's z on every layer, loss effects where it does so without rotary or grouped heads; else "module", the
+    bridge's own attention modules run on patched inputs."""
     bridge = model.bridge
     cfg = bridge.cfg
     n_kv = int(cfg.n_key_value_heads or cfg.n_heads)
