@@ -49,7 +49,7 @@ class _FactoredWeights:
         return x if self.gamma[layer] is None else x * self.gamma[layer]
 
     def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
-        key = (sender_layer, heads.start, layer, kind)
+        key = (sender_layer, heads.start, heads.stop, layer, kind)
         if key in self.kept:
             return self.kept[key]
         w_o = self.net.weight("W_O", sender_layer, heads)
@@ -214,11 +214,13 @@ def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
     return max(1, min(net.n_heads, max_memory // per_sender))
 
 
-def _kept_budget(net: Net, sets, batch_size: int, max_memory: int) -> int:
-    """What max_memory leaves for the kept c(W_O) Γ W once the widest batch's step has its working bytes (a
-    set's batches are at most batch_size inputs of its padded length), so that both together stay within it."""
+def _step_plan(net: Net, sets, batch_size: int, max_memory: int) -> tuple[int, int]:
+    """(senders per batched step, bytes left for the kept c(W_O) Γ W): the widest batch's step (a set's batches
+    are at most batch_size inputs of its padded length) sized to max_memory, and what it leaves. Every batch takes
+    the same senders per step, so that each kept product (one per step's senders) serves every batch."""
     per_sender = max(_sender_bytes(net, min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets)
-    return max(0, max_memory - _sender_chunk(net, per_sender, max_memory) * per_sender)
+    chunk = _sender_chunk(net, per_sender, max_memory)
+    return chunk, max(0, max_memory - chunk * per_sender)
 
 
 @torch.no_grad()
@@ -271,8 +273,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
-    working = max(0, max_memory - net.nbytes)
-    kept = _kept_budget(net, sets, batch_size, working) if factor else 0
+    chunk, kept = _step_plan(net, sets, batch_size, max(0, max_memory - net.nbytes))
+    kept = kept if factor else 0
     weights = _FactoredWeights(net, kept, centring.pop()) if factor else None
     for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None,
                          path=net.local_path):
@@ -282,7 +284,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         for l, recv in receivers.items():
             z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
             outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
-        chunk, clean = _sender_chunk(net, _sender_bytes(net, *batch.resid[0].shape[:2]), working - kept), {}
+        clean = {}
         for sender_layer in range(L - 1):
             for first in range(0, H, chunk):
                 heads = slice(first, min(first + chunk, H))
