@@ -242,7 +242,7 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
 def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     """Two input sets of different lengths, the longer first: every c(W_O) Γ W kept and all senders a step, none
     kept and one sender a step, and between them 3 senders a step with one product kept (the same 3 in every
-    batch, so that the kept product serves the longer set's batches too)."""
+    batch, so that the product kept on the longer set serves the shorter one's too)."""
     from headgraph.analysis.causal import local as causal_local
 
     model = load_model("induction-2l", device="cpu")
