@@ -460,12 +460,16 @@ def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokeniz
     return bridge
 
 
+_POOLED_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger float32 copies go back to the system when freed
+
+
 class _Upcasts:
     """The float32 copies of weight matrices while their module runs: {copy's storage address: stored tensor}, and
-    the copies' buffers, reused from block to block (allocating and freeing a block's float32 bytes on every call
-    leaves the allocator holding far more than one block). As saved-tensor hooks, a matrix autograd keeps for the
-    backward pass is kept as its stored tensor and upcast again when the backward pass reads it, so a gradient pass
-    holds no block's float32 copy beyond its module's run."""
+    the buffers of copies up to _POOLED_BYTES, reused from block to block (glibc serves those from its heap, and
+    allocating and freeing them on every call leaves it holding far more than one block); larger copies are
+    allocated per call, mapped and unmapped. As saved-tensor hooks, a matrix autograd keeps for the backward pass
+    is kept as its stored tensor and upcast again when the backward pass reads it, so a gradient pass holds no
+    block's float32 copy beyond its module's run."""
 
     def __init__(self):
         self.live: dict[int, torch.Tensor] = {}
@@ -506,7 +510,8 @@ class _Upcasts:
         for p, data in held.items():
             copy = p.data
             self.live.pop(copy.untyped_storage().data_ptr(), None)
-            self.free.setdefault((copy.shape, copy.stride()), []).append(copy)
+            if copy.numel() * 4 <= _POOLED_BYTES:
+                self.free.setdefault((copy.shape, copy.stride()), []).append(copy)
             p.data = data
         held.clear()
 
