@@ -250,9 +250,8 @@ def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     net = causal_network.network(model, inputs[0].batch(0, 1))
     per_sender = max(causal_local._sender_bytes(net, 4, s.input_ids.shape[1]) for s in inputs)
     e = net.weights["W_O"].shape[-2]
-    held = max(causal_local._batch_bytes(net, 4, s.input_ids.shape[1], True) for s in inputs)
-    between = net.nbytes + held + 3 * per_sender + 3 * e * net.n_heads * e * 4
-    assert causal_local._step_plan(net, inputs, 4, between - net.nbytes, True)[0] == 3 < net.n_heads
+    between = net.nbytes + 3 * per_sender + 3 * e * net.n_heads * e * 4
+    assert causal_local._step_plan(net, inputs, 4, between - net.nbytes)[0] == 3 < net.n_heads
     roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)
     assert roomy.effect.max() > 0.3
     for max_memory in (1, between):

@@ -12,10 +12,10 @@ import torch
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE,
-                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batches, carry,
-                                               check_counts, coupled, input_change, network, patched_attention,
-                                               progress_advance, project, receiver_layer, rotate, sender_writes)
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
+                                               Batch, Layer, Net, attribution, batches, carry, check_counts,
+                                               coupled, input_change, network, patched_attention, progress_advance,
+                                               project, receiver_layer, rotate, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -214,29 +214,13 @@ def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
     return max(1, min(net.n_heads, max_memory // per_sender))
 
 
-def _batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
-    """Bytes a batch of b inputs of length T holds while its senders are stepped through (float32): every
-    layer's residual input, z and Δz, its receivers' recomputed x, q, k, v, scores, pattern and z, and (with
-    `gradients`) attribution's loss gradients at every layer (`Gradients`: patterns and z at each point of the
-    path, and their projections)."""
-    d, e = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2]
-    H, L, points = net.n_heads, net.n_layers, ATTRIBUTION_STEPS + 2
-    per_layer = b * (2 * T * d + 6 * T * H * e + 2 * H * T * T)
-    if gradients:
-        per_layer += points * b * (H * T * T + 2 * T * H * e)
-    return 4 * L * per_layer
-
-
-def _step_plan(net: Net, sets, batch_size: int, max_memory: int, gradients: bool) -> tuple[int, int]:
+def _step_plan(net: Net, sets, batch_size: int, max_memory: int) -> tuple[int, int]:
     """(senders per batched step, bytes left for the kept c(W_O) Γ W): the widest batch's step (a set's batches
-    are at most batch_size inputs of its padded length) sized to what max_memory leaves beside that batch's own
-    bytes (`_batch_bytes`), and what the step leaves of that. Every batch takes the same senders per step, so that
-    each kept product (one per step's senders) serves every batch."""
-    shapes = [(min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets]
-    left = max(0, max_memory - max(_batch_bytes(net, b, T, gradients) for b, T in shapes))
-    per_sender = max(_sender_bytes(net, b, T) for b, T in shapes)
-    chunk = _sender_chunk(net, per_sender, left)
-    return chunk, max(0, left - chunk * per_sender)
+    are at most batch_size inputs of its padded length) sized to max_memory, and what it leaves. Every batch takes
+    the same senders per step, so that each kept product (one per step's senders) serves every batch."""
+    per_sender = max(_sender_bytes(net, min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets)
+    chunk = _sender_chunk(net, per_sender, max_memory)
+    return chunk, max(0, max_memory - chunk * per_sender)
 
 
 @torch.no_grad()
@@ -258,10 +242,10 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     encoder). An attribution is a linear estimate of what `loss_effects` measures exactly: it can miss where the
     loss is far from linear in the receiver's change (a saturated softmax downstream), which is why exact
     patching checks it on the selected edges. `max_memory` bounds the Net's copies of the weights (`Net.nbytes`)
-    together with a batch's activations and gradients, one batched step's working bytes and the c(W_O) Γ W
-    products a pre-LN model's steps share across batches (kept in what the widest step leaves of it, computed
-    again per batch beyond that), though at least one sender is stepped through at a time; the model itself is
-    not counted."""
+    together with one batched step's working bytes and the c(W_O) Γ W products a pre-LN model's steps share
+    across batches (kept in what the widest step leaves of it, computed again per batch beyond that: on the
+    TinyLlama-1.1B shape, keeping a third as many doubled the stage's time); a batch's own activations and
+    gradients (every layer's, a few hundred MB there) and the model itself come on top."""
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
     kinds = []
@@ -290,7 +274,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
-    chunk, kept = _step_plan(net, sets, batch_size, max(0, max_memory - net.nbytes), attributed is not None)
+    chunk, kept = _step_plan(net, sets, batch_size, max(0, max_memory - net.nbytes))
     kept = kept if factor else 0
     weights = _FactoredWeights(net, kept, centring.pop()) if factor else None
     for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None,
