@@ -124,12 +124,15 @@ def test_cytoscape_json_reads_back_as_the_graph_with_role_lists(run_dir, tmp_pat
                       edge_extra={"source", "target", "key"}, flatten=False)
 
 
-def test_csv_tables_hold_the_nodes_and_edges_under_the_given_policy(run_dir, tmp_path, capsys):
-    export(run_dir, "csv", tmp_path, capsys, "--top-k", "3", "--max-q", "0.5")
-    graph = network(run_dir, SelectionPolicy(top_k=3, max_q=0.5))
+def test_csv_tables_hold_the_nodes_and_edges_under_the_given_policy(planted_analysis, run_dir, tmp_path, capsys):
+    """--top-k 3 --max-q 0.01: of each type's three largest PKs, the planted edges (far in the null's tail) and
+    none of the others (whose q-values are the null's noise)."""
+    export(run_dir, "csv", tmp_path, capsys, "--top-k", "3", "--max-q", "0.01")
+    graph = network(run_dir, SelectionPolicy(top_k=3, max_q=0.01))
     nodes, edges = pd.read_csv(tmp_path / "nodes.csv"), pd.read_csv(tmp_path / "edges.csv")
     assert list(nodes.columns[:1]) == ["head"] and list(edges.columns[:3]) == ["source", "target", "kind"]
-    assert sorted(nodes["head"]) == sorted(graph.nodes) and len(edges) == graph.number_of_edges() == 9
+    assert sorted(nodes["head"]) == sorted(graph.nodes) and len(edges) == graph.number_of_edges()
+    assert set(zip(edges.source, edges.target, edges.kind)) == {e[:3] for e in planted_analysis.truth.edges}
     present = {row.pop("head"): {k: v for k, v in row.items() if not pd.isna(v)} for row in nodes.to_dict("records")}
     for node, data in graph.nodes(data=True):
         assert_same_attributes(present[node] | {"roles": present[node].get("roles", "")}, joined(data), node,
