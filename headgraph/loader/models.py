@@ -449,10 +449,9 @@ def _bridge(model, device: str, tokenizer, name: str, dtype: torch.dtype = torch
 def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokenizer=None):
     """The bridge of the checkpoint in `folder` with its raw weight matrices held in `dtype` (bf16 or float16: half
     the bytes of float32), embeddings included, computing as the same bridge loaded in float32 would
-    (run_blocks_in_float32). Its
-    attention patterns, activations and gradients equal those of load_model(folder, "raw") in float32 bit for bit
-    (tests/test_stream.py), but a non-persistent buffer transformers builds in `dtype` (e.g. Gemma's embedding
-    scale) keeps that dtype's rounding."""
+    (run_blocks_in_float32). Its attention patterns, activations and gradients equal those of load_model(folder,
+    "raw") in float32 bit for bit (tests/test_stream.py), but a non-persistent buffer transformers builds in
+    `dtype` (e.g. Gemma's embedding scale) keeps that dtype's rounding."""
     with quiet():
         bridge = _bridge(folder, device, tokenizer, name, dtype)
     if dtype != torch.float32:

@@ -233,19 +233,19 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     receiver's exact change causes, Σ (A'_r − A_r) · ∂L/∂A_r for Q/K and Σ Δz_r · ∂L/∂z_r for V, the gradients
     from one backward pass per batch of clean inputs, in nats per predicted token like `loss_effects`.
 
-    `model` is a LoadedModel or a streamed one after allow_loading() (its `bridge` is used; see `network`). `inputs`: one input set or several; resample ablation
-    draws each input's counterfactual within its own set (`resample_inputs`, seeded), or takes `corrupted`
-    (the same structure, row i the counterfactual of input i); mean ablation averages per set. Statistics pool
-    all inputs. Returns one row per pair, types in the order given, then source, then target: source, target
-    (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect, effect_lo, effect_hi (bootstrap interval;
-    NaN where r's clean output is zero, for V), effect_attr, effect_attr_lo, effect_attr_hi (NaN for an
-    encoder). An attribution is a linear estimate of what `loss_effects` measures exactly: it can miss where the
-    loss is far from linear in the receiver's change (a saturated softmax downstream), which is why exact
-    patching checks it on the selected edges. `max_memory` bounds the Net's copies of the weights (`Net.nbytes`)
-    together with one batched step's working bytes and the c(W_O) Γ W products a pre-LN model's steps share
-    across batches (kept in what the widest step leaves of it, computed again per batch beyond that: on the
-    TinyLlama-1.1B shape, keeping a third as many doubled the stage's time); a batch's own activations and
-    gradients (every layer's, a few hundred MB there) and the model itself come on top."""
+    `model` is a LoadedModel or a streamed one after allow_loading() (its `bridge` is used; see `network`).
+    `inputs`: one input set or several; resample ablation draws each input's counterfactual within its own set
+    (`resample_inputs`, seeded), or takes `corrupted` (the same structure, row i the counterfactual of input i);
+    mean ablation averages per set. Statistics pool all inputs. Returns one row per pair, types in the order given,
+    then source, then target: source, target (`L{l}H{h}`), source_type "O", target_type "Q"/"K"/"V", effect,
+    effect_lo, effect_hi (bootstrap interval; NaN where r's clean output is zero, for V), effect_attr,
+    effect_attr_lo, effect_attr_hi (NaN for an encoder). An attribution is a linear estimate of what `loss_effects`
+    measures exactly: it can miss where the loss is far from linear in the receiver's change (a saturated softmax
+    downstream), which is why exact patching checks it on the selected edges. `max_memory` bounds the Net's copies
+    of the weights (`Net.nbytes`) together with one batched step's working bytes and the c(W_O) Γ W products a
+    pre-LN model's steps share across batches (kept in what the widest step leaves of it, computed again per batch
+    beyond that: on the TinyLlama-1.1B shape, keeping a third as many doubled the stage's time); a batch's own
+    activations and gradients (every layer's, a few hundred MB there) and the model itself come on top."""
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
     kinds = []

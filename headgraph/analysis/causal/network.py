@@ -207,7 +207,7 @@ def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.T
     RMSNorm, nor with a final RMSNorm), and folds each value bias into b_O, after folding ln1's shift β into it
     where it folds the norms: its z is the raw z less b_V + β W_V (attention rows sum to 1). Everything else it
     does leaves the function, and so the patterns, losses and changes, as they are. Checked against the
-    processed model on every family of headgraph.testing.families (tests/test_stream.py)."""
+    processed model on every family of headgraph.testing.families (tests/test_stream_families.py)."""
     cfg, adapter = bridge.cfg, bridge.adapter
     w_o, w_v = weights["W_O"], weights["W_V"]
     layer_norm = cfg.normalization_type in ("LN", "LNPre")
