@@ -240,23 +240,29 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
 
 @pytest.mark.slow
 def test_local_effects_do_not_depend_on_the_memory_they_are_given():
-    """Two input sets of different lengths, the longer first: every c(W_O) Γ W kept and all senders a step, none
-    kept and one sender a step, and between them 3 senders a step with one product kept (the same 3 in every
-    batch, so that the product kept on the longer set serves the shorter one's too)."""
+    """Two input sets of different lengths, the longer first, in batches of 4: all four batches one group (each
+    c(W_O) Γ W formed once) with every sender a step; one group of three batches at 2 senders a step, then the last
+    batch alone; and every batch alone at one sender a step."""
     from headgraph.analysis.causal import local as causal_local
 
     model = load_model("induction-2l", device="cpu")
     inputs = [repeated_token_inputs(model.tokenizer, 8, seed=3, length=length) for length in (14, 10)]
     net = causal_network.network(model, inputs[0].batch(0, 1))
-    per_sender = max(causal_local._sender_bytes(net, 4, s.input_ids.shape[1]) for s in inputs)
-    e = net.weights["W_O"].shape[-2]
-    between = net.nbytes + 3 * per_sender + 3 * e * net.n_heads * e * 4
-    assert causal_local._step_plan(net, inputs, 4, between - net.nbytes)[0] == 3 < net.n_heads
+    lengths = [s.input_ids.shape[1] for s in inputs for _ in range(2)]
+    data = [causal_local._batch_bytes(net, 4, T, gradients=True) for T in lengths]
+    steps = [causal_local._sender_bytes(net, 4, T) for T in lengths]
+    three = sum(data[:3]) + 2 * sum(steps[:3])
+    assert causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)[0] == (3, 2)
+    assert len(causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)) == 2
+    assert causal_local._plan(net, inputs, 4, 1, grouped=True, gradients=True) == [(1, 1)] * 4
     roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)
+    assert causal_local._plan(net, inputs, 4, causal_network.DEFAULT_PATCH_MEMORY - net.nbytes, grouped=True,
+                              gradients=True) == [(4, net.n_heads)]
     assert roomy.effect.max() > 0.3
-    for max_memory in (1, between):
+    for max_memory in (1, net.nbytes + three):
         found = C.local_effects(model, inputs, n_boot=50, batch_size=4, max_memory=max_memory)
         np.testing.assert_allclose(found.effect, roomy.effect, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(found.effect_attr, roomy.effect_attr, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("processing, ablation", [("raw", "resample"), ("tl", "mean")])

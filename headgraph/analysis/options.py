@@ -96,7 +96,7 @@ class CausalOptions:
     ablation: Ablation = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
     batch_size: int = 16
-    max_memory: int = 1024**3  # working bytes of one batched patching step, with the products its steps share
+    max_memory: int = 1024**3  # local effects: the batches held and one patching step over them; loss: one step
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest attribution (encoders: local effect) first; None: every one
     loss_inputs: int | None = None  # the first N inputs of each set (None: all): the layers from the receiver's on

@@ -3,7 +3,9 @@
 the sender's change. All senders of one layer x all receivers of one later layer are one batched tensor
 operation; pre-LN models with LayerNorm project the senders' Δz through c(W_O) Γ W (`_FactoredChange`)."""
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -12,8 +14,8 @@ import torch
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
-                                               Batch, Layer, Net, attribution, batches, carry, check_counts,
+from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE,
+                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batches, carry, check_counts,
                                                coupled, input_change, network, patched_attention, progress_advance,
                                                project, receiver_layer, rotate, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
@@ -25,21 +27,20 @@ LOCAL_COLUMNS = PAIR_KEY + ["effect", "effect_lo", "effect_hi", "effect_attr", "
 
 
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
-    """What the local effect projects a changed input through, in float32: W_Q [H, d, e] or W_K [KV, d, e], and
-    W_V R [H, d, e] for values (each query head's KV head's W_V), so that a query head's changed z comes out as
-    Δz R, whose squared norm is its output change's ||Δz W_O||²."""
-    return net.weight("W_V_out" if kind == "V" else f"W_{kind}", layer)
+    """What the local effect projects a changed input through, in float32: W_Q [H, d, e], W_K or W_V [KV, d, e]
+    (a grouped-query model's products and value changes are formed on its KV heads, and each query head's R
+    applied after: `value_change`)."""
+    return net.weight(f"W_{kind}", layer)
 
 
 class _FactoredWeights:
     """What `_FactoredChange` needs of the weights, the same for every batch: γ of each receiver layer's ln1 (None
-    for a norm without a weight), and c(W_O[s]) Γ W [S, e, H, e] per (sender layer, sender heads, receiver layer,
+    for a norm without a weight), and c(W_O[s]) Γ W [S, e, h, e] per (sender layer, sender heads, receiver layer,
     kind), with Γ = diag(γ), W the `local_weight` and c(W_O) = W_O with each row centred (a LayerNorm; W_O itself
-    for an RMSNorm, `centred` False), kept while they fit `budget` bytes and computed again per batch beyond
-    that."""
+    for an RMSNorm, `centred` False), formed once per group of batches (`_plan`)."""
 
-    def __init__(self, net: Net, budget: int, centred: bool):
-        self.net, self.budget, self.centred, self.kept, self.gamma, self.eps = net, budget, centred, {}, {}, {}
+    def __init__(self, net: Net, centred: bool):
+        self.net, self.centred, self.gamma, self.eps = net, centred, {}, {}
         for layer in range(1, net.n_layers):
             gamma, self.eps[layer], _ = net.layer_norm(layer, 1)
             self.gamma[layer] = None if gamma is None else gamma.detach().float()
@@ -49,17 +50,10 @@ class _FactoredWeights:
         return x if self.gamma[layer] is None else x * self.gamma[layer]
 
     def mixed(self, sender_layer: int, heads: slice, layer: int, kind: str) -> torch.Tensor:
-        key = (sender_layer, heads.start, heads.stop, layer, kind)
-        if key in self.kept:
-            return self.kept[key]
         w_o = self.net.weight("W_O", sender_layer, heads)
         if self.centred:
             w_o = w_o - w_o.mean(-1, keepdim=True)
-        mixed = torch.einsum("sed,hdf->sehf", self.scaled(w_o, layer), local_weight(self.net, layer, kind))
-        if mixed.numel() * mixed.element_size() <= self.budget:
-            self.kept[key] = mixed
-            self.budget -= mixed.numel() * mixed.element_size()
-        return mixed
+        return torch.einsum("sed,hdf->sehf", self.scaled(w_o, layer), local_weight(self.net, layer, kind))
 
 
 class _FactoredChange:
@@ -80,7 +74,7 @@ class _FactoredChange:
         self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
         self.delta = delta
         self.delta_var = delta.var(-1, correction=0) if weights.centred else delta.pow(2).mean(-1)  # [S, b, T]
-        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the receiver layer's in hand only
 
     def _scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Δz/σ' [b, T, S, e] and 1/σ' − 1/σ [S, b, T] at a receiver layer."""
@@ -93,15 +87,16 @@ class _FactoredChange:
             eps = self.weights.eps[layer]
             var_new = var + 2 * torch.einsum("btd,sbtd->sbt", centred, self.delta) / centred.shape[-1] + self.delta_var
             inv_new = (var_new + eps).clamp(min=eps).rsqrt()
+            self.scales.clear()
             self.scales[layer] = (self.dz * inv_new.permute(1, 2, 0)[..., None], inv_new - (var + eps).rsqrt())
         return self.scales[layer]
 
-    def project(self, layer: int, kind: str) -> torch.Tensor:
+    def project(self, layer: int, kind: str, mixed: torch.Tensor) -> torch.Tensor:
+        """The change at `layer` through W of `kind`, given their c(W_O) Γ W (`_FactoredWeights.mixed`)."""
         dz_over_sigma, inv_change = self._scales(layer)
         if (layer, kind) not in self.clean:  # γ·c(x) W
             self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.weights.scaled(self.clean[layer][0], layer),
                                                    local_weight(self.weights.net, layer, kind))
-        mixed = self.weights.mixed(self.sender_layer, self.heads, layer, kind)
         change = torch.einsum("btse,sehf->sbthf", dz_over_sigma, mixed)  # γ·c(Δ) W / σ'
         return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
 
@@ -129,6 +124,17 @@ def value_change(recv: Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
     return torch.einsum("bhqk,sbkhe->sbqhe", recv.pattern[:, heads], dv)
 
 
+def output_change(net: Net, recv: Layer, dv: torch.Tensor) -> torch.Tensor:
+    """Δz R [S, b, T, H, e] of every query head of a receiver layer when only the values of its KV heads change
+    by dv [S, b, T, KV, e] (the changed input, projected through W_V): ||Δz R|| = ||Δz W_O||, each query head
+    reading its KV head's change through its own attention row."""
+    if net.kv_group == 1:
+        dz = value_change(recv, dv, slice(None))
+    else:
+        dz = torch.einsum("bgnqk,sbkge->sbqgne", recv.pattern.unflatten(1, (-1, net.kv_group)), dv).flatten(3, 4)
+    return torch.einsum("sbthe,hef->sbthf", dz, net.out_root[recv.layer])
+
+
 def _squared_outputs(net: Net, layer: int, z: torch.Tensor) -> torch.Tensor:
     """||z_h W_O[h]||^2 = ||z_h R[h]||^2 [..., T, H] for z [..., T, H, e] of every head of a layer."""
     return torch.einsum("...he,hef->...hf", z, net.out_root[layer]).pow(2).sum(-1)
@@ -146,8 +152,8 @@ def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor
     """Per-input numerator [S, R, b] of the local effect of the senders behind d (their input change projected
     through `local_weight` [S, b, T, h, e], of kind `kind`) on every receiver (R query heads for Q, KV heads
     for K/V, summed over the query heads that read each), and of its attribution."""
-    if kind == "V":  # the values' change through W_V R: r's z changes by Δz R, ||Δz R||² = ||Δz W_O||²
-        change = value_change(recv, d, slice(None))
+    if kind == "V":  # r's z changes by Δz, its output by Δz R: ||Δz R||² = ||Δz W_O||²
+        change = output_change(net, recv, d)
         attr = None if batch.grads is None else attribution(batch.grads[layer], change, kind, out_space=True)
         change = change.pow_(2).sum(-1)
         sums = (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
@@ -209,18 +215,94 @@ def _sender_bytes(net: Net, b: int, T: int) -> int:
     return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
 
 
+def _batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
+    """Bytes a batch of b inputs of length T holds while its senders are patched (float32): every layer's residual
+    input, z and Δz, its receivers' clean attention (input, q, k, v, z, scores, pattern) and clean terms (the
+    centred input, c(x) Γ W of each kind), and (`gradients`) the loss gradients at every point of the path."""
+    d, e, H = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2], net.n_heads
+    per_input = 3 * T * d + 9 * T * H * e + 2 * H * T * T
+    if gradients:
+        per_input += (ATTRIBUTION_STEPS + 2) * (H * T * T + T * H * e)
+    return 4 * b * net.n_layers * per_input
+
+
+def _plan(net: Net, sets, batch_size: int, max_memory: int, grouped: bool, gradients: bool
+          ) -> list[tuple[int, int]]:
+    """(batches, senders per batched step) of each group of consecutive batches (a set's batches are at most
+    batch_size inputs of its padded length): a group holds its batches (`_batch_bytes`) and its steps cover all of
+    them, the batches and one step within max_memory (at least one sender, one batch). A pre-LN model's c(W_O) Γ W
+    products are formed once per group (`grouped`); otherwise each batch is a group."""
+    shapes = [(min(batch_size, len(s) - start), s.input_ids.shape[1]) for s in sets
+              for start in range(0, len(s), batch_size)]
+    plan, held, per_sender, count = [], 0, 0, 0
+    for b, T in shapes:
+        data, step = _batch_bytes(net, b, T, gradients), _sender_bytes(net, b, T)
+        if count and (not grouped or held + data + per_sender + step > max_memory):
+            plan.append((count, _sender_chunk(net, per_sender, max_memory - held)))
+            held, per_sender, count = 0, 0, 0
+        held, per_sender, count = held + data, per_sender + step, count + 1
+    return plan + [(count, _sender_chunk(net, per_sender, max_memory - held))]
+
+
 def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
     """Senders per batched step, each of `per_sender` working bytes, so that the step stays within max_memory."""
     return max(1, min(net.n_heads, max_memory // per_sender))
 
 
-def _step_plan(net: Net, sets, batch_size: int, max_memory: int) -> tuple[int, int]:
-    """(senders per batched step, bytes left for the kept c(W_O) Γ W): the widest batch's step (a set's batches
-    are at most batch_size inputs of its padded length) sized to max_memory, and what it leaves. Every batch takes
-    the same senders per step, so that each kept product (one per step's senders) serves every batch."""
-    per_sender = max(_sender_bytes(net, min(batch_size, len(s)), s.input_ids.shape[1]) for s in sets)
-    chunk = _sender_chunk(net, per_sender, max_memory)
-    return chunk, max(0, max_memory - chunk * per_sender)
+@dataclass(frozen=True)
+class _Sums:
+    """Per-input sums the effects are ratios of, filled batch by batch: numerators [pairs, n] of each kind's local
+    effects and (a decoder) attributions, the real queries seeing more than one key and the predicted tokens [n],
+    and every head's squared clean output [L, H, n]."""
+
+    num: dict[str, np.ndarray]
+    attributed: dict[str, np.ndarray] | None
+    queries: np.ndarray
+    predicted: np.ndarray
+    outputs: np.ndarray
+
+
+def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: int, kinds: Sequence[str],
+                 weights: "_FactoredWeights | None", index: dict[str, np.ndarray], sums: _Sums) -> None:
+    """Patch every sender into every later receiver layer on each batch of `group` (with its receiver layers),
+    `chunk` senders per step, writing each pair's per-input sums into `sums` at the rows `index` gives; with
+    `weights` (a pre-LN model, `_FactoredChange`), each c(W_O) Γ W is formed once for the group."""
+    L, H = net.n_layers, net.n_heads
+    for batch, receivers in group:
+        sums.queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
+        sums.predicted[batch.rows] = (batch.real[:, 1:] & batch.real[:, :-1]).sum(-1).cpu().numpy()
+        for l, recv in receivers.items():
+            z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
+            sums.outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
+    clean = [{} for _ in group]
+    for sender_layer in range(L - 1):
+        for first in range(0, H, chunk):
+            heads = slice(first, min(first + chunk, H))
+            deltas = [sender_writes(net, batch, sender_layer, heads) for batch, _ in group]
+            factored = [_FactoredChange(weights, batch, sender_layer, heads, delta, own)
+                        for (batch, _), delta, own in zip(group, deltas, clean)] if weights is not None else None
+            for layer in range(sender_layer + 1, L):
+                changed = []  # per batch: the receivers' patched input (module) or input change (unfactored)
+                for i, (batch, receivers) in enumerate(group):
+                    if factored is None:
+                        deltas[i] = carry(net, batch, layer - 1, deltas[i])
+                    if net.local_path == "module":
+                        changed.append(net.attention_input(layer, batch.resid[layer] + deltas[i]))
+                    elif factored is None:
+                        changed.append(input_change(net, batch, receivers[layer], layer, deltas[i]))
+                for kind in kinds:
+                    rows = index[kind][sender_layer, heads, layer]
+                    mixed = weights.mixed(sender_layer, heads, layer, kind) if factored is not None else None
+                    for i, (batch, receivers) in enumerate(group):
+                        if net.local_path == "module":
+                            found, attr = _module_sums(net, batch, receivers[layer], changed[i], kind)
+                        else:
+                            d = (factored[i].project(layer, kind, mixed) if factored is not None
+                                 else project(changed[i], local_weight(net, layer, kind)))
+                            found, attr = _local_sums(net, batch, receivers[layer], layer, d, kind)
+                        sums.num[kind][rows, batch.rows] = found.cpu()
+                        if attr is not None:
+                            sums.attributed[kind][rows, batch.rows] = attr.cpu()
 
 
 @torch.no_grad()
@@ -242,10 +324,10 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     effect_attr_lo, effect_attr_hi (NaN for an encoder). An attribution is a linear estimate of what `loss_effects`
     measures exactly: it can miss where the loss is far from linear in the receiver's change (a saturated softmax
     downstream), which is why exact patching checks it on the selected edges. `max_memory` bounds the Net's copies
-    of the weights (`Net.nbytes`) together with one batched step's working bytes and the c(W_O) Γ W products a
-    pre-LN model's steps share across batches (kept in what the widest step leaves of it, computed again per batch
-    beyond that: on the TinyLlama-1.1B shape, keeping a third as many doubled the stage's time); a batch's own
-    activations and gradients (every layer's, a few hundred MB there) and the model itself come on top."""
+    of the weights (`Net.nbytes`), the batches held at once with their activations and gradients (`_batch_bytes`)
+    and one batched step's working bytes over them (`_plan`): a pre-LN model forms each c(W_O) Γ W once for all the
+    batches held, so a smaller budget costs those products again per group. The model itself, one batch's forward
+    and gradient passes, and what `_batch_bytes` estimates short come on top."""
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
     kinds = []
@@ -265,62 +347,35 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         index[kind] = np.full((L, H, L, net.receivers(kind)), -1)
         index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
     n = sum(len(s) for s in sets)
-    num = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
-    attributed = {kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds} if attribution and net.is_decoder else None
-    queries, outputs, predicted = np.zeros(n), np.zeros((L, H, n)), np.zeros(n)
+    sums = _Sums(num={kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds},
+                 attributed={kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
+                 if attribution and net.is_decoder else None,
+                 queries=np.zeros(n), predicted=np.zeros(n), outputs=np.zeros((L, H, n)))
     advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
     # pre-LN with LayerNorms or RMSNorms of one kind: project the senders' Δz, not their d-wide writes
     # (_FactoredChange)
     norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
-    chunk, kept = _step_plan(net, sets, batch_size, max(0, max_memory - net.nbytes))
-    kept = kept if factor else 0
-    weights = _FactoredWeights(net, kept, centring.pop()) if factor else None
-    for batch in batches(net, sets, alternatives, batch_size, advance, gradients=attributed is not None,
-                         path=net.local_path):
-        queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
-        predicted[batch.rows] = (batch.real[:, 1:] & batch.real[:, :-1]).sum(-1).cpu().numpy()
-        receivers = {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)}
-        for l, recv in receivers.items():
-            z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
-            outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
-        clean = {}
-        for sender_layer in range(L - 1):
-            for first in range(0, H, chunk):
-                heads = slice(first, min(first + chunk, H))
-                delta = sender_writes(net, batch, sender_layer, heads)
-                factored = _FactoredChange(weights, batch, sender_layer, heads, delta, clean) if factor else None
-                for layer in range(sender_layer + 1, L):
-                    if factored is None:
-                        delta = carry(net, batch, layer - 1, delta)
-                    if net.local_path == "module":
-                        x = net.attention_input(layer, batch.resid[layer] + delta)
-                    elif factored is None:
-                        dx = input_change(net, batch, receivers[layer], layer, delta)
-                    for kind in kinds:
-                        rows = index[kind][sender_layer, heads, layer]
-                        if net.local_path == "module":
-                            sums, attr = _module_sums(net, batch, receivers[layer], x, kind)
-                        else:
-                            d = (factored.project(layer, kind) if factored is not None
-                                 else project(dx, local_weight(net, layer, kind)))
-                            sums, attr = _local_sums(net, batch, receivers[layer], layer, d, kind)
-                        num[kind][rows, batch.rows] = sums.cpu()
-                        if attr is not None:
-                            attributed[kind][rows, batch.rows] = attr.cpu()
+    weights = _FactoredWeights(net, centring.pop()) if factor else None
+    stream = batches(net, sets, alternatives, batch_size, advance, gradients=sums.attributed is not None,
+                     path=net.local_path)
+    for count, chunk in _plan(net, sets, batch_size, max(0, max_memory - net.nbytes), factor,
+                              sums.attributed is not None):
+        _patch_group(net, [(batch, {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)})
+                           for batch in itertools.islice(stream, count)], chunk, kinds, weights, index, sums)
     frames = []
     for kind in kinds:
         src_layer, src_head, tgt_layer, tgt_head = pairs[kind]
         group = 1 if kind == "Q" else net.kv_group  # query heads reading each receiver
         if kind == "V":
-            den = outputs.reshape(L, -1, group, n).sum(2)[tgt_layer, tgt_head]
+            den = sums.outputs.reshape(L, -1, group, n).sum(2)[tgt_layer, tgt_head]
         else:
-            den = np.broadcast_to(queries * group, num[kind].shape)
-        effect, lo, hi = ratio_intervals(num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
+            den = np.broadcast_to(sums.queries * group, sums.num[kind].shape)
+        effect, lo, hi = ratio_intervals(sums.num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
         attr = attr_lo = attr_hi = np.full(len(effect), np.nan)
-        if attributed is not None:  # nats per predicted token, as the loss effect
-            attr, attr_lo, attr_hi = ratio_intervals(attributed[kind], np.broadcast_to(predicted, num[kind].shape),
+        if sums.attributed is not None:  # nats per predicted token, as the loss effect
+            attr, attr_lo, attr_hi = ratio_intervals(sums.attributed[kind], np.broadcast_to(sums.predicted, sums.num[kind].shape),
                                                      n_boot, [seed, BOOTSTRAP_STREAM])
         frames.append(pd.DataFrame({
             "source": pd.Series([head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())], dtype=str),

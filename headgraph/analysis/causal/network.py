@@ -88,8 +88,7 @@ class Net:
     scale: float
     weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d]
     # (W_* in the bridge's dtype: a bf16 checkpoint's raw weights exactly, read in float32 through `weight`);
-    # local_path "recompute": W_V_out = W_V R [L, H, d, e] (W_V of each query head's KV head), the values read so
-    # that ||Δz R|| is the output change's norm, and out_root_inverse R^-1 [L, H, e, e]
+    # local_path "recompute": out_root_inverse R^-1 [L, H, e, e], for attribution
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
     z_offset: torch.Tensor | None = None  # [L, H, e]: what "tl" folds out of a raw bridge's z (`processed_outputs`)
 
@@ -193,8 +192,6 @@ def network(model, probe: TokenInputs) -> Net:
               local_path="recompute", rotary=rotary, scale=1.0 / math.sqrt(cfg.d_head), weights=weights,
               out_root=root, z_offset=offset)
     if layout != "resid" and not out_norm and _recomputes(net, probe):
-        weights["W_V_out"] = torch.stack([net.weight("W_V", l).repeat_interleave(net.kv_group, 0) @ root[l]
-                                          for l in range(net.n_layers)])
         weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
         return net if n_kv == net.n_heads and not rotary else dataclasses.replace(net, path="module")
     return dataclasses.replace(net, path="module", local_path="module")
@@ -239,8 +236,10 @@ class Gradients:
     edge's change on that path: its projection on each receiver's own Δz, in the output metric (Δz W_O)."""
 
     pattern: torch.Tensor  # [steps + 2, b, H, T, T]: ∂L/∂A at each point, then M with Σ ΔA·M = <ΔA v W_O, Δz W_O>
-    z: torch.Tensor  # [steps + 2, b, T, H, e]: ∂L/∂z at each point, then Δz W_O W_O^T (Σ dz·it = <dz W_O, Δz W_O>)
-    z_out: torch.Tensor | None  # path "recompute": both read by a change in Δz R (`W_V_out`): ∂L/∂z R^-T, Δz R
+    # [steps + 2, b, T, H, e], one of: ∂L/∂z at each point, then Δz W_O W_O^T (Σ dz·it = <dz W_O, Δz W_O>), as
+    # local path "module" reads a change in z; both read by a change in Δz R (`output_change`): ∂L/∂z R^-T, Δz R
+    z: torch.Tensor | None
+    z_out: torch.Tensor | None
     squared: torch.Tensor  # [b, H]: ||Δz W_O||² of each head over the batch's tokens
 
 
@@ -389,20 +388,21 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int =
             found[name].append(g.float())
     found_by_layer = {}
     for l in range(net.n_layers):
-        v = clean[values[l]].float()
+        v = clean.pop(values[l]).float()
         v = v.repeat_interleave(net.n_heads // v.shape[2], dim=2)  # a KV head's values for each query head
         w_o = net.weight("W_O", l)
         metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o, w_o)  # Δz W_O W_O^T
         places = torch.einsum("bkhe,bqhe->bhqk", v, metric)
-        z_grads = torch.stack(found[f"blocks.{l}.attn.hook_z"])
-        z_out = None
+        z_grads = torch.stack(found.pop(f"blocks.{l}.attn.hook_z"))
+        z = z_out = None
         if "out_root_inverse" in net.weights:
             z_out = torch.cat([torch.einsum("nbthe,hfe->nbthf", z_grads, net.weights["out_root_inverse"][l]),
                                torch.einsum("bthe,hef->bthf", dz[l], net.out_root[l])[None]])
+        else:
+            z = torch.cat([z_grads, metric[None]])
         found_by_layer[l] = Gradients(
-            pattern=torch.cat([torch.stack(found[f"blocks.{l}.attn.hook_pattern"]), places[None]]),
-            z=torch.cat([z_grads, metric[None]]), z_out=z_out,
-            squared=torch.einsum("bthe,bthe->bh", dz[l], metric))
+            pattern=torch.cat([torch.stack(found.pop(f"blocks.{l}.attn.hook_pattern")), places[None]]),
+            z=z, z_out=z_out, squared=torch.einsum("bthe,bthe->bh", dz[l], metric))
     return found_by_layer
 
 
