@@ -352,17 +352,17 @@ def attribution(grads: Gradients, change: torch.Tensor, kind: str, out_space: bo
     return (path_weights(place, len(dots) - 2) * dots[:-1]).sum(0)
 
 
-def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int = ATTRIBUTION_STEPS
-                    ) -> dict[int, Gradients]:
+def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[str, torch.Tensor],
+                    steps: int = ATTRIBUTION_STEPS) -> dict[int, Gradients]:
     """{layer: Gradients} of a decoder's next-token loss L (summed over the predicted tokens; each input's
     gradient is its own loss's) at `steps` + 1 points α = k / steps of the path from the clean to the
     counterfactual activations: every head's z is z + α Δz (its value only: the gradient still reaches each
-    pattern through the head's own z), the path of integrated-gradients edge attribution (Hanna et al. 2024)."""
+    pattern through the head's own z), the path of integrated-gradients edge attribution (Hanna et al. 2024).
+    `clean`: the batch's clean activations, every layer's hook_z and hook_v among them."""
     names = [f"blocks.{l}.attn.hook_{t}" for l in range(net.n_layers) for t in ("pattern", "z")]
     values = [f"blocks.{l}.attn.hook_v" for l in range(net.n_layers)]
     ids = batch.input_ids.to(net.bridge.cfg.device)
     real = batch.attention_mask.bool().to(ids.device)
-    _, clean = run_with_activations(net.bridge, batch, z_names(net) + values)
     found = {name: [] for name in names}
     for k in range(steps + 1):
         alpha, kept = k / steps, {}
@@ -388,7 +388,7 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, steps: int =
             found[name].append(g.float())
     found_by_layer = {}
     for l in range(net.n_layers):
-        v = clean.pop(values[l]).float()
+        v = clean[values[l]].float()
         v = v.repeat_interleave(net.n_heads // v.shape[2], dim=2)  # a KV head's values for each query head
         w_o = net.weight("W_O", l)
         metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o, w_o)  # Δz W_O W_O^T
@@ -413,6 +413,8 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
     attention calls are kept for the module path and for a rotary model's cos/sin."""
     L, path = net.n_layers, path or net.path
     names = z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
+    if gradients:
+        names += [f"blocks.{l}.attn.hook_v" for l in range(L)]
     if net.post_ln:
         names += [f"blocks.{l}.ln{i}.hook_in" for l in range(L - 1) for i in (1, 2)]
     if path == "module":
@@ -451,7 +453,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
                          dz=dz, norms=norms, calls=calls,
                          hooked=None if path != "module" else {n: cache[n] for l in range(L)
                                                                for n in _module_names(net, l)},
-                         grads=_loss_gradients(net, batch, dz) if gradients else None)
+                         grads=_loss_gradients(net, batch, dz, cache) if gradients else None)
             advance()
         offset += len(clean_set)
 
