@@ -15,9 +15,9 @@ from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE,
-                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batches, carry, check_counts,
-                                               coupled, input_change, network, patched_attention, progress_advance,
-                                               project, receiver_layer, rotate, sender_writes)
+                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batches, carry,
+                                               check_counts, coupled, input_change, network, patched_attention,
+                                               progress_advance, project, receiver_layer, rotate, sender_writes)
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -375,7 +375,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         effect, lo, hi = ratio_intervals(sums.num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
         attr = attr_lo = attr_hi = np.full(len(effect), np.nan)
         if sums.attributed is not None:  # nats per predicted token, as the loss effect
-            attr, attr_lo, attr_hi = ratio_intervals(sums.attributed[kind], np.broadcast_to(sums.predicted, sums.num[kind].shape),
+            attr, attr_lo, attr_hi = ratio_intervals(sums.attributed[kind],
+                                                     np.broadcast_to(sums.predicted, sums.num[kind].shape),
                                                      n_boot, [seed, BOOTSTRAP_STREAM])
         frames.append(pd.DataFrame({
             "source": pd.Series([head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())], dtype=str),
