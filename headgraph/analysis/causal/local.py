@@ -29,7 +29,7 @@ LOCAL_COLUMNS = PAIR_KEY + ["effect", "effect_lo", "effect_hi", "effect_attr", "
 def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
     """What the local effect projects a changed input through, in float32: W_Q [H, d, e], W_K or W_V [KV, d, e]
     (a grouped-query model's products and value changes are formed on its KV heads, and each query head's R
-    applied after: `value_change`)."""
+    applied after: `output_change`)."""
     return net.weight(f"W_{kind}", layer)
 
 
@@ -70,7 +70,7 @@ class _FactoredChange:
 
     def __init__(self, weights: _FactoredWeights, batch: Batch, sender_layer: int, heads: slice,
                  delta: torch.Tensor, clean: dict):
-        self.weights, self.batch, self.sender_layer, self.heads, self.clean = weights, batch, sender_layer, heads, clean
+        self.weights, self.batch, self.clean = weights, batch, clean
         self.dz = batch.dz[sender_layer][:, :, heads]  # [b, T, S, e]
         self.delta = delta
         self.delta_var = delta.var(-1, correction=0) if weights.centred else delta.pow(2).mean(-1)  # [S, b, T]
