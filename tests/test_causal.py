@@ -242,7 +242,8 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
 def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     """Two input sets of different lengths, the longer first, in batches of 4: all four batches one group (each
     c(W_O) Γ W formed once) with every sender a step; one group of three batches at 2 senders a step, then the last
-    batch alone; and every batch alone at one sender a step."""
+    batch alone; and every batch alone at one sender a step. A batch that fills the budget alone is patched in
+    steps sized to the budget, its own bytes on top."""
     from headgraph.analysis.causal import local as causal_local
 
     model = load_model("induction-2l", device="cpu")
@@ -255,6 +256,8 @@ def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     assert causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)[0] == (3, 2)
     assert len(causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)) == 2
     assert causal_local._plan(net, inputs, 4, 1, grouped=True, gradients=True) == [(1, 1)] * 4
+    alone = causal_local._plan(net, inputs, 4, data[0], grouped=True, gradients=True)  # no room beside a batch
+    assert alone[0] == (1, min(net.n_heads, data[0] // steps[0])) and alone[0][1] > 1
     roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)
     assert causal_local._plan(net, inputs, 4, causal_network.DEFAULT_PATCH_MEMORY - net.nbytes, grouped=True,
                               gradients=True) == [(4, net.n_heads)]

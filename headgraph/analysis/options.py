@@ -11,7 +11,7 @@ import numpy as np
 from headgraph.errors import UsageError, check_choice
 from headgraph.heads import DEFAULT_TYPES
 
-DEFAULT_PK_MEMORY = 2 * 1024**3  # 2 GiB: the PK engine's tiles, and the causal stages' working bytes
+DEFAULT_PK_MEMORY = 2 * 1024**3  # 2 GiB: the PK engine's tiles (CausalOptions.max_memory: the causal stages')
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 # The closed sets of the stage settings, declared once: the CLI's choices are their get_args, the options below
@@ -96,7 +96,7 @@ class CausalOptions:
     ablation: Ablation = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
     batch_size: int = 16
-    max_memory: int = DEFAULT_PK_MEMORY  # local effects: the batches held and a patching step over them; loss: a step
+    max_memory: int = 1024**3  # local effects: the batches held and a patching step over them; loss: a step
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest attribution (encoders: local effect) first; None: every one
     loss_inputs: int | None = None  # the first N inputs of each set (None: all): the layers from the receiver's on

@@ -230,18 +230,23 @@ def _plan(net: Net, sets, batch_size: int, max_memory: int, grouped: bool, gradi
           ) -> list[tuple[int, int]]:
     """(batches, senders per batched step) of each group of consecutive batches (a set's batches are at most
     batch_size inputs of its padded length): a group holds its batches (`_batch_bytes`) and its steps cover all of
-    them, the batches and one step within max_memory (at least one sender, one batch). A pre-LN model's c(W_O) Γ W
-    products are formed once per group (`grouped`); otherwise each batch is a group."""
+    them, the batches and one step within max_memory. A pre-LN model's c(W_O) Γ W products are formed once per
+    group (`grouped`); otherwise each batch is a group. A batch that leaves no room for a sender is a group alone,
+    its step sized to max_memory and its own bytes on top (the model's passes take batch_size inputs)."""
     shapes = [(min(batch_size, len(s) - start), s.input_ids.shape[1]) for s in sets
               for start in range(0, len(s), batch_size)]
     plan, held, per_sender, count = [], 0, 0, 0
+
+    def chunk():
+        return _sender_chunk(net, per_sender, max_memory - held if max_memory - held >= per_sender else max_memory)
+
     for b, T in shapes:
         data, step = _batch_bytes(net, b, T, gradients), _sender_bytes(net, b, T)
         if count and (not grouped or held + data + per_sender + step > max_memory):
-            plan.append((count, _sender_chunk(net, per_sender, max_memory - held)))
+            plan.append((count, chunk()))
             held, per_sender, count = 0, 0, 0
         held, per_sender, count = held + data, per_sender + step, count + 1
-    return plan + [(count, _sender_chunk(net, per_sender, max_memory - held))]
+    return plan + [(count, chunk())]
 
 
 def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
