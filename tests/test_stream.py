@@ -99,6 +99,35 @@ def test_the_role_patterns_of_a_bf16_checkpoint_are_the_float32_models(family, t
     assert streamed._forward is None
 
 
+def _float32_bytes() -> int:
+    """Bytes of the float32 tensors Python holds (each storage once)."""
+    import gc
+
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+            if torch.is_tensor(t) and t.dtype == torch.float32 and not t.is_meta}
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_repeated_passes_of_a_bf16_checkpoint_hold_no_more_float32_copies(family, tmp_path):
+    """The float32 copies a bf16 checkpoint's blocks run on are reused from pass to pass: GPT-2's fused QKV
+    splits into strided views of its c_attn weight, whose copies are laid out otherwise (a pool keyed by the
+    copy's layout grew by every such view on every pass: 13.3 GiB in the loss stage of a GPT-2-small shape)."""
+    from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.testing.families import save_family
+
+    folder = as_bf16(save_family(family, tmp_path / family))
+    streamed = open_model(folder, device="cpu")
+    with streamed.patterns_only() as model:
+        inputs = input_set(model, input_set_names(model.cfg["is_decoder"])[0], 6, 0)
+        held = []
+        for _ in range(3):
+            capture_patterns(model.bridge, inputs)
+            held.append(_float32_bytes())
+    assert held[1] == held[2], held
+
+
 def analyze(source, out: Path, **settings):
     from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
     from headgraph.analysis.options import PKOptions

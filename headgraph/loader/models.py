@@ -509,8 +509,8 @@ class _Upcasts:
         for p, data in held.items():
             copy = p.data
             self.live.pop(copy.untyped_storage().data_ptr(), None)
-            if copy.numel() * 4 <= _POOLED_BYTES:
-                self.free.setdefault((copy.shape, copy.stride()), []).append(copy)
+            if copy.numel() * 4 <= _POOLED_BYTES:  # pooled under the stored tensor's layout, as `enter` looks it up
+                self.free.setdefault((data.shape, data.stride()), []).append(copy)
             p.data = data
         held.clear()
 
