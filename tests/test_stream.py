@@ -128,6 +128,34 @@ def test_repeated_passes_of_a_bf16_checkpoint_hold_no_more_float32_copies(family
     assert held[1] == held[2], held
 
 
+_FRAGMENTED = """
+import torch
+from headgraph.analysis.heap import release_freed
+
+def anon():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
+
+block = torch.zeros(4 * 2**20)  # a 16 MB block freed: glibc's mmap threshold rises above the MB tensors below
+del block
+kept, freed = [], []
+for _ in range(300):  # 1 MB tensors, each followed by a small one that stays: the heap cannot shrink from the top
+    freed.append(torch.ones(2**18))
+    kept.append(torch.ones(64))
+freed.clear()
+before = anon()
+print(release_freed(), before - anon())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, read in /proc")
+def test_memory_freed_between_live_tensors_goes_back_to_the_system():
+    """300 MB freed between tensors still in use stays in glibc's heap, counted in RSS (and in the next stage's
+    peak), until release_freed gives its pages back (a fresh process: its heap is only this)."""
+    found = subprocess.run([sys.executable, "-c", _FRAGMENTED], capture_output=True, text=True, check=True)
+    released, given_back = found.stdout.split()
+    assert released == "True" and int(given_back) > 250 * 2**20, found.stdout
+
+
 def analyze(source, out: Path, **settings):
     from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
     from headgraph.analysis.options import PKOptions

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
@@ -386,6 +387,8 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
             grads = torch.autograd.grad(loss, [kept[name] for name in names])
         for name, g in zip(names, grads):
             found[name].append(g.float())
+        del logits, losses, loss, kept
+        release_freed()  # the pass's activations, freed out of order (a third of the stage's peak otherwise)
     found_by_layer = {}
     for l in range(net.n_layers):
         v = clean[values[l]].float()
