@@ -100,11 +100,12 @@ def test_the_role_patterns_of_a_bf16_checkpoint_are_the_float32_models(family, t
 
 
 def _float32_bytes() -> int:
-    """Bytes of the float32 tensors Python holds (each storage once)."""
+    """Bytes of the float32 tensors Python holds (each storage once; type(), not isinstance: a dead weak proxy
+    among the objects raises on any attribute read)."""
     import gc
 
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-            if torch.is_tensor(t) and t.dtype == torch.float32 and not t.is_meta}
+            if issubclass(type(t), torch.Tensor) and t.dtype == torch.float32 and not t.is_meta}
     return sum(held.values())
 
 
