@@ -129,6 +129,28 @@ def test_repeated_passes_of_a_bf16_checkpoint_hold_no_more_float32_copies(family
     assert held[1] == held[2], held
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_causal_stages_read_a_checkpoints_attention_weights_in_place(family, tmp_path):
+    """The Net of the causal stages holds no copy of a bf16 checkpoint's W_Q, W_K, W_V, nor of W_O where the
+    processing leaves it as stored (an RMSNorm model; GPT-2's LayerNorm centres it): each layer's is a view of the
+    bridge's own parameter, so `nbytes` (what their budget counts) is less than one stored copy of the attention
+    weights (a stack of every layer's copied them all: 2.7 GB of a Llama-3-8B shape's budget)."""
+    from headgraph.analysis.causal.network import network
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.testing.families import save_family
+
+    streamed = open_model(as_bf16(save_family(family, tmp_path / family)), device="cpu")
+    streamed.allow_loading()
+    net = network(streamed, input_set(streamed, input_set_names(True)[0], 2, 0).batch(0, 1))
+    own = {p.untyped_storage().data_ptr() for p in streamed.bridge.parameters()}
+    in_place = ("W_Q", "W_K", "W_V") if family == "gpt2" else ("W_Q", "W_K", "W_V", "W_O")
+    for name in in_place:
+        assert len(net.weights[name]) == streamed.cfg["n_layers"]
+        assert all(w.dtype == torch.bfloat16 and w.untyped_storage().data_ptr() in own for w in net.weights[name])
+    stored = sum(w.numel() * 2 for name in ("W_Q", "W_K", "W_V", "W_O") for w in net.weights[name])
+    assert net.nbytes < stored
+
+
 _FRAGMENTED = """
 import torch
 from headgraph.analysis.heap import release_freed

@@ -209,7 +209,7 @@ def _module_sums(net: Net, batch: Batch, recv: Layer, x: torch.Tensor, kind: str
 def _sender_bytes(net: Net, b: int, T: int) -> int:
     """Working bytes of one sender in a batched step over b inputs of length T (float32: the sender writes, the
     patched input and its change, one projection, patched scores, rows and their difference)."""
-    d, e = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2]
+    e, d = net.weights["W_O"][0].shape[-2:]
     if net.local_path == "module":  # the patched input, q/k/v of every head, scores, pattern and their difference
         return 4 * b * (4 * T * d + 2 * T * (net.n_heads + 2 * net.n_kv_heads) * e + 4 * net.n_heads * T * T)
     return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
@@ -219,7 +219,7 @@ def _batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
     """Bytes a batch of b inputs of length T holds while its senders are patched (float32): every layer's residual
     input, z and Δz, its receivers' clean attention (input, q, k, v, z, scores, pattern) and clean terms (the
     centred input, c(x) Γ W of each kind), and (`gradients`) the loss gradients at every point of the path."""
-    d, e, H = net.weights["W_O"].shape[-1], net.weights["W_O"].shape[-2], net.n_heads
+    (e, d), H = net.weights["W_O"][0].shape[-2:], net.n_heads
     per_input = 3 * T * d + 9 * T * H * e + 2 * H * T * T
     if gradients:
         per_input += (ATTRIBUTION_STEPS + 2) * (H * T * T + T * H * e)

@@ -87,9 +87,10 @@ class Net:
     local_path: Path  # local effects': "recompute" also for rotary and grouped-query attention
     rotary: bool  # queries and keys rotated by the cos/sin of each layer's attention call (path "recompute")
     scale: float
-    weights: dict[str, torch.Tensor]  # W_Q [L, H, d, e], W_K/W_V [L, KV, d, e], b_Q/b_K/b_V, W_O [L, H, e, d]
-    # (W_* in the bridge's dtype: a bf16 checkpoint's raw weights exactly, read in float32 through `weight`);
-    # local_path "recompute": out_root_inverse R^-1 [L, H, e, e], for attribution
+    weights: dict[str, Any]  # W_Q [H, d, e], W_K/W_V [KV, d, e], W_O [H, e, d]: a tuple of each layer's (the
+    # bridge's own tensors, views of its parameters in its dtype where it gives views: a bf16 checkpoint's raw weights
+    # exactly, read in float32 through `weight`); b_Q/b_K/b_V [L, h, e]; local_path "recompute": out_root_inverse
+    # R^-1 [L, H, e, e], for attribution
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
     z_offset: torch.Tensor | None = None  # [L, H, e]: what "tl" folds out of a raw bridge's z (`processed_outputs`)
 
@@ -99,13 +100,17 @@ class Net:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of its copies of the weights: what a stage's `max_memory` holds besides its working bytes."""
-        held = [*self.weights.values(), self.out_root] + ([] if self.z_offset is None else [self.z_offset])
-        return sum(t.numel() * t.element_size() for t in held)
+        """The bytes of its copies of the weights (not of the model's own parameters, which it reads in place): what
+        a stage's `max_memory` holds besides its working bytes."""
+        own = {p.untyped_storage().data_ptr() for p in self.bridge.parameters()}
+        held = [t for w in self.weights.values() for t in (w if isinstance(w, tuple) else (w,))]
+        held += [self.out_root] + ([] if self.z_offset is None else [self.z_offset])
+        copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(n for ptr, n in copies.items() if ptr not in own)
 
     def weight(self, name: str, layer: int, heads: slice = slice(None)) -> torch.Tensor:
-        """weights[name][layer, heads] in float32."""
-        return self.weights[name][layer, heads].float()
+        """weights[name][layer][heads] in float32."""
+        return self.weights[name][layer][heads].float()
 
     @property
     def kv_group(self) -> int:
@@ -175,17 +180,18 @@ def network(model, probe: TokenInputs) -> Net:
     bridge = model.bridge
     cfg = bridge.cfg
     n_kv = int(cfg.n_key_value_heads or cfg.n_heads)
-    weights = {n: getattr(bridge, n).detach() for n in ("W_Q", "W_K", "W_V", "W_O")}
+    weights = {n: _per_layer(bridge, n) for n in ("W_Q", "W_K", "W_V", "W_O")}
     for t in "QKV":
         try:
             weights[f"b_{t}"] = getattr(bridge, f"b_{t}").detach().float()
         except AttributeError:  # a bias-free projection (the bridge exposes no stacked bias)
             w = weights[f"W_{t}"]
-            weights[f"b_{t}"] = w.new_zeros(w.shape[:2] + w.shape[3:], dtype=torch.float32)
+            weights[f"b_{t}"] = w[0].new_zeros((len(w), w[0].shape[0], w[0].shape[2]), dtype=torch.float32)
     offset = None
     if model.processing == "tl" and not bridge.compatibility_mode:  # a streamed checkpoint's raw weights
         weights["W_O"], offset = processed_outputs(bridge, weights)
-    root = torch.linalg.qr(weights["W_O"].float().transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
+    root = torch.stack([torch.linalg.qr(w.float().transpose(-1, -2)).R.transpose(-1, -2)  # W_O^T = Q R^T, Q orthonormal
+                        for w in weights["W_O"]])
     layout, out_norm = _layout(bridge, probe)
     rotary = getattr(cfg, "positional_embedding_type", None) == "rotary"
     net = Net(bridge=bridge, n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads), n_kv_heads=n_kv,
@@ -198,8 +204,22 @@ def network(model, probe: TokenInputs) -> Net:
     return dataclasses.replace(net, path="module", local_path="module")
 
 
-def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_O [L, H, e, d], z offset [L, H, e]) of TransformerLens' processing ("tl") for a bridge that holds raw
+def _per_layer(bridge, name: str) -> tuple[torch.Tensor, ...]:
+    """Each block's W_Q, W_K, W_V [h, d, e] or W_O [H, e, d] as the bridge's stacked property reads it, unstacked: a
+    block's tensor is a view of its parameter (a stack would copy every layer's)."""
+    cfg = bridge.cfg
+    shape = (cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.d_model) if name == "W_O" else None
+    layers = []
+    for block in bridge.blocks:
+        w = getattr(block.attn, name).detach()
+        if w.shape == (cfg.d_model, cfg.d_model):  # a 2D [d, d] weight, reshaped as the stacked property does
+            w = w.reshape(shape or (cfg.n_heads, cfg.d_model, cfg.d_model // cfg.n_heads))
+        layers.append(w)
+    return tuple(layers)
+
+
+def processed_outputs(bridge, weights: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(each layer's W_O [H, e, d], z offset [L, H, e]) of TransformerLens' processing ("tl") for a bridge that holds raw
     weights (a streamed checkpoint's forward passes): what the processed model's heads write and read that the raw
     one's do not. The processing centres each head's W_O along d_model in a model normed by LayerNorm (not by
     RMSNorm, nor with a final RMSNorm), and folds each value bias into b_O, after folding ln1's shift β into it
@@ -211,8 +231,7 @@ def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.T
     layer_norm = cfg.normalization_type in ("LN", "LNPre")
     if layer_norm and not getattr(cfg, "final_rms", False) and getattr(adapter, "supports_center_writing_weights",
                                                                          True):
-        w_o = w_o.float()
-        w_o -= w_o.mean(-1, keepdim=True)
+        w_o = tuple(w.float() - w.float().mean(-1, keepdim=True) for w in w_o)
     offset = weights["b_V"].clone()
     if layer_norm and getattr(adapter, "supports_fold_ln", True):
         for layer, block in enumerate(bridge.blocks):
@@ -220,7 +239,7 @@ def processed_outputs(bridge, weights: dict[str, torch.Tensor]) -> tuple[torch.T
             beta = None if norm is None else getattr(norm.original_component, "bias", None)
             if beta is not None:
                 offset[layer] += torch.einsum("d,gde->ge", beta.detach().float(), w_v[layer].float())
-    return w_o, offset.repeat_interleave(w_o.shape[1] // offset.shape[1], 1)
+    return w_o, offset.repeat_interleave(w_o[0].shape[0] // offset.shape[1], 1)
 
 
 def _recomputes(net: Net, probe: TokenInputs) -> bool:
@@ -491,7 +510,7 @@ def _rotary(net: Net, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Ten
     cos, sin = (t.float() for t in found)
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    e = net.weights["W_Q"].shape[-1]
+    e = net.weights["W_Q"][0].shape[-1]
     if 2 * cos.shape[-1] == e and get_rotary_pct_from_config(net.bridge.cfg) == 1.0:
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
     r, shape = cos.shape[-1], (batch.real.shape[0], -1, -1, -1)
