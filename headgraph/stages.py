@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from headgraph.analysis.classes import HeadClasses
+from headgraph.analysis.heap import release_freed
 from headgraph.analysis.selection import SelectedGraph
 from headgraph.loader.store import RunGraph
 from headgraph.runs import AnalysisResult, PeakRss, RunFolder, StageRun
@@ -81,11 +82,13 @@ def runs_if(condition: Callable[[Context], bool]) -> Callable[[Stage], Stage]:
 
 
 def run_stages(ctx: Context, stages: Iterable[Stage], into: dict[str, StageRun]) -> None:
-    """Run each stage that applies, in order; into[its name] = its wall seconds and peak resident memory."""
+    """Run each stage that applies, in order; into[its name] = its wall seconds and peak resident memory (from
+    the memory in use when it starts: what earlier stages freed is given back first, `release_freed`)."""
     for stage in stages:
         condition = getattr(stage, "runs_if", None)
         if condition is not None and not condition(ctx):
             continue
+        release_freed()
         start = time.perf_counter()
         _start_peak()
         try:

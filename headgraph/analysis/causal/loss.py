@@ -17,6 +17,7 @@ from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_S
                                                PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
                                                input_change, network, patched_attention, progress_advance, project,
                                                receiver_layer, sender_writes)
+from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
@@ -260,6 +261,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
                 edges_here = order[first:first + len(change)]
                 num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
                 den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
+                release_freed()  # the pass's activations, freed out of order (its logits buffer stays for the next)
     effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.is_decoder)
     table = edges[PAIR_KEY].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
