@@ -235,6 +235,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
     unembed = _plain_unembed(net, sets[0].batch(0, 1))
     logits = _Logits(unembed) if unembed is not None else None
+    budget = max(0, max_memory - net.nbytes)  # a pass's copies, beside the Net's copies of the weights
     for batch in batches(net, sets, alternatives, batch_size, advance):
         receivers, changes = {}, []
         for e in order:
@@ -248,7 +249,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
         for i in range(len(batch.real)):
             one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
             T = one.input_ids.shape[1]
-            step = _copies_per_pass(net, T, max(0, max_memory - net.nbytes))
+            step = _copies_per_pass(net, T, budget)
             for first in range(0, len(changes), step):
                 out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
                                                   for layer, head, dz in changes[first:first + step]], logits)

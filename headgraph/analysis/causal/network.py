@@ -205,17 +205,10 @@ def network(model, probe: TokenInputs) -> Net:
 
 
 def _per_layer(bridge, name: str) -> tuple[torch.Tensor, ...]:
-    """Each block's W_Q, W_K, W_V [h, d, e] or W_O [H, e, d] as the bridge's stacked property reads it, unstacked: a
-    block's tensor is a view of its parameter (a stack would copy every layer's)."""
-    cfg = bridge.cfg
-    shape = (cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.d_model) if name == "W_O" else None
-    layers = []
-    for block in bridge.blocks:
-        w = getattr(block.attn, name).detach()
-        if w.shape == (cfg.d_model, cfg.d_model):  # a 2D [d, d] weight, reshaped as the stacked property does
-            w = w.reshape(shape or (cfg.n_heads, cfg.d_model, cfg.d_model // cfg.n_heads))
-        layers.append(w)
-    return tuple(layers)
+    """Each block's W_Q, W_K, W_V [h, d, e] or W_O [H, e, d] as the bridge's stacked property reads it (its own
+    reshape), unstacked: a block's tensor is a view of its parameter, where a stack would copy every layer's."""
+    reshape = bridge._reshape_o if name == "W_O" else bridge._reshape_qkv
+    return tuple(reshape(getattr(block.attn, name).detach()) for block in bridge.blocks)
 
 
 def processed_outputs(bridge, weights: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -231,7 +224,7 @@ def processed_outputs(bridge, weights: dict[str, Any]) -> tuple[tuple[torch.Tens
     layer_norm = cfg.normalization_type in ("LN", "LNPre")
     if layer_norm and not getattr(cfg, "final_rms", False) and getattr(adapter, "supports_center_writing_weights",
                                                                          True):
-        w_o = tuple(w.float() - w.float().mean(-1, keepdim=True) for w in w_o)
+        w_o = tuple(w - w.mean(-1, keepdim=True) for w in (w.float() for w in w_o))
     offset = weights["b_V"].clone()
     if layer_norm and getattr(adapter, "supports_fold_ln", True):
         for layer, block in enumerate(bridge.blocks):
