@@ -526,3 +526,28 @@ def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, 
     bridges = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
     assert bridges.effect_loss.abs().max() > 1e-4
     pd.testing.assert_frame_equal(buffered, bridges, rtol=1e-5)
+
+
+def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_hook(tmp_path, monkeypatch):
+    model = loaded(save_synthetic(tmp_path, n_layers=5))
+    events = []
+    monkeypatch.setattr(causal_network, "release_freed", lambda: events.append("release"))
+    mine = [block.register_forward_hook(lambda module, args, out, layer=layer: events.append(layer))
+            for layer, block in enumerate(model.bridge.blocks)]
+    inputs = repeated_token_inputs(model.tokenizer, 2, seed=0, length=6)
+    edges = pd.DataFrame({"source": ["L0H0"], "target": ["L2H1"], "source_type": "O", "target_type": ["Q"]})
+    C.loss_effects(model, inputs, edges, n_boot=20)
+    # one pass per input: blocks 0-1 on the clean row alone, grown from block 2 on, given back after block 3
+    assert _windows(events, 6).count((0, 1, 2, 3, "release", 4)) == 2 and events.count("release") == 2
+    events.clear()
+    C.local_effects(model, inputs, ["OQ"], n_boot=20)
+    # each of the batch's 5 gradient steps: given back before it and after blocks 1 and 3 of its forward pass
+    step = ("release", 0, 1, "release", 2, 3, "release", 4)
+    assert causal_network.ATTRIBUTION_STEPS + 1 == 5 and _windows(events, 8).count(step) == 5
+    for handle in mine:
+        handle.remove()
+    assert not any(block._forward_hooks or block._forward_pre_hooks for block in model.bridge.blocks)
+
+
+def _windows(events: list, size: int) -> list[tuple]:
+    return [tuple(events[i:i + size]) for i in range(len(events) - size + 1)]

@@ -16,7 +16,7 @@ from headgraph.analysis.causal.local import patched_pattern, value_change
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
                                                PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
                                                input_change, network, patched_attention, progress_advance, project,
-                                               receiver_layer, sender_writes)
+                                               receiver_layer, releasing, sender_writes)
 from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
@@ -165,14 +165,16 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
         hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
     elif logits is not None:
         hooks.append(("unembed.hook_in", stop))
-    grown = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
-             for layer in range(min(joining), net.n_layers)] if joining else []
+    first = min(joining, default=net.n_layers)  # the pass is grown from here on
+    handles = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
+               for layer in range(first, net.n_layers)]
+    handles += releasing(net, first)  # the grown blocks' activations, freed out of order
     try:
         out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
                                         return_type="logits" if net.is_decoder and logits is None else None,
                                         **model_kwargs(net.bridge, inputs))
     finally:
-        for handle in grown:
+        for handle in handles:
             handle.remove()
     return out if logits is None else logits(out)
 
