@@ -166,15 +166,15 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
     elif logits is not None:
         hooks.append(("unembed.hook_in", stop))
     first = min(joining, default=net.n_layers)  # the pass is grown from here on
-    handles = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
-               for layer in range(first, net.n_layers)]
-    handles += releasing(net, first)  # the grown blocks' activations, freed out of order
+    grown = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
+             for layer in range(first, net.n_layers)]
     try:
-        out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
-                                        return_type="logits" if net.is_decoder and logits is None else None,
-                                        **model_kwargs(net.bridge, inputs))
+        with releasing(net, first):  # the grown blocks' activations, freed out of order
+            out = net.bridge.run_with_hooks(inputs.input_ids.to(net.bridge.cfg.device), fwd_hooks=hooks,
+                                            return_type="logits" if net.is_decoder and logits is None else None,
+                                            **model_kwargs(net.bridge, inputs))
     finally:
-        for handle in handles:
+        for handle in grown:
             handle.remove()
     return out if logits is None else logits(out)
 

@@ -2,6 +2,7 @@
 activations of each batch of inputs (`batches`), and each receiver layer's attention recomputed from its input
 (`receiver_layer`), checked against the model's own `hook_z` on every batch."""
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -338,15 +339,21 @@ def _release(module, args, output) -> None:
     release_freed()
 
 
-def releasing(net: Net, first: int = 0) -> list[torch.utils.hooks.RemovableHandle]:
-    """Forward hooks that give back the heap the blocks of a pass freed (`release_freed`), after every
-    RELEASE_EVERY-th block from `first` on; the caller removes them. A pass frees activations of tens of MB out
-    of order, and in a heap left fragmented by what ran before (the local effects' gradient passes, for the loss
-    passes after them) glibc serves the next block's activations from pages given back earlier while keeping
-    the pages just freed. On the 1.1B shape after its local effects a loss pass peaked at 3.20 GiB of anonymous
-    memory for 1.32 GiB in use; given back every 2nd block, 2.32 GiB (every block 2.25, every 4th 2.52)."""
-    return [net.bridge.blocks[layer].register_forward_hook(_release)
-            for layer in range(first + RELEASE_EVERY - 1, net.n_layers, RELEASE_EVERY)]
+@contextlib.contextmanager
+def releasing(net: Net, first: int = 0) -> Iterator[None]:
+    """While inside, the blocks of a pass give back the heap they freed (`release_freed`), after every
+    RELEASE_EVERY-th block from `first` on. A pass frees activations of tens of MB out of order, and in a heap left
+    fragmented by what ran before (the local effects' gradient passes, for the loss passes after them) glibc
+    serves the next block's activations from pages given back earlier while keeping the pages just freed. On the
+    1.1B shape after its local effects a loss pass peaked at 3.20 GiB of anonymous memory for 1.32 GiB in use;
+    given back every 2nd block, 2.32 GiB (every block 2.25, every 4th 2.52)."""
+    handles = [net.bridge.blocks[layer].register_forward_hook(_release)
+               for layer in range(first + RELEASE_EVERY - 1, net.n_layers, RELEASE_EVERY)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 ATTRIBUTION_STEPS = 4  # intervals of the clean-to-counterfactual path: its gradients are read at their 5 ends
@@ -409,18 +416,13 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
             return hook
 
         release_freed()  # what came before (the batch's forward passes, the last step's gradients) freed
-        handles = releasing(net)
-        try:
-            with torch.enable_grad():
-                logits = net.bridge.run_with_hooks(ids, fwd_hooks=[(name, keep(name)) for name in names],
-                                                   return_type="logits", **model_kwargs(net.bridge, batch))
-                losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
-                                                           reduction="none")
-                loss = (losses * (real[:, 1:] & real[:, :-1])).sum()
-                grads = torch.autograd.grad(loss, [kept[name] for name in names])
-        finally:
-            for handle in handles:
-                handle.remove()
+        with torch.enable_grad(), releasing(net):
+            logits = net.bridge.run_with_hooks(ids, fwd_hooks=[(name, keep(name)) for name in names],
+                                               return_type="logits", **model_kwargs(net.bridge, batch))
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
+                                                       reduction="none")
+            loss = (losses * (real[:, 1:] & real[:, :-1])).sum()
+            grads = torch.autograd.grad(loss, [kept[name] for name in names])
         for name, g in zip(names, grads):
             found[name].append(g.float())
         del logits, losses, loss, kept
