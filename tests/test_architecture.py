@@ -19,7 +19,8 @@ ALLOWED = {
     "files": set(),
     "analysis": {"errors", "heads"},
     "runs": {"errors", "heads", "analysis.artifacts", "_version"},
-    "loader": {"errors", "heads", "files", "runs", "analysis.selection", "analysis.artifacts"},  # types, table rows
+    # types, table rows; the heap's memory advice (the streamed model's float32 copies)
+    "loader": {"errors", "heads", "files", "runs", "analysis.selection", "analysis.artifacts", "analysis.heap"},
     "queries": {"errors", "heads", "loader"},
     "report": {"errors", "heads", "files", "analysis", "runs", "loader"},
     # what analyze is asked, and the stage protocol (its Context and runner) under the orchestrator's stages

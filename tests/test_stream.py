@@ -179,6 +179,56 @@ def test_memory_freed_between_live_tensors_goes_back_to_the_system():
     assert released == "True" and int(given_back) > 250 * 2**20, found.stdout
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's first line: "start-end perms ..."
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, read in /proc")
+def test_fresh_memory_is_advised_for_huge_pages_and_keeps_its_values():
+    """huge_pages_for marks a new mapping's memory for transparent huge pages (VmFlags "hg"): a float32 copy of a
+    tens-of-MB weight matrix is then faulted in 2 MiB at a time."""
+    from headgraph.analysis.heap import huge_pages_for
+
+    fresh = torch.empty(16 * 2**20)  # 64 MiB: a mapping of its own
+    middle = fresh.untyped_storage().data_ptr() + fresh.untyped_storage().nbytes() // 2
+    assert "hg" not in _vm_flags(middle)
+    assert huge_pages_for(fresh) is fresh and "hg" in _vm_flags(middle)
+    stored = torch.randn(16 * 2**20).bfloat16()
+    assert torch.equal(fresh.copy_(stored), stored.float())
+
+
+def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monkeypatch):
+    """Each weight matrix of a bf16 checkpoint upcast for a pass outside the pool of small copies (every one here,
+    the pool's size set to 0: the blocks' and the embedding's, the patterns' pass stopping before the unembedding)
+    is allocated in huge pages, and the patterns stay the float32 model's bit for bit."""
+    from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.loader import models
+    from headgraph.testing.families import save_family
+
+    advised = []
+    monkeypatch.setattr(models, "_POOLED_BYTES", 0)
+    monkeypatch.setattr(models, "huge_pages_for", lambda t: advised.append(tuple(t.shape)) or t)
+    folder = as_bf16(save_family("llama", tmp_path / "llama"))
+    streamed = open_model(folder, device="cpu")
+    float32 = load_model(folder, processing="raw", device="cpu")
+    inputs = input_set(float32, input_set_names(True)[0], 6, 0)
+    with streamed.patterns_only() as model:
+        patterns = capture_patterns(model.bridge, inputs)
+        read = [*model.bridge.blocks.parameters(), *model.bridge.embed.parameters()]
+        matrices = sorted(tuple(p.shape) for p in read if p.dtype == torch.bfloat16)
+    assert len(matrices) > 10 and sorted(advised) == matrices
+    assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+
+
 def analyze(source, out: Path, **settings):
     from headgraph.settings import AnalyzeOptions, CausalOptions, RoleOptions
     from headgraph.analysis.options import PKOptions

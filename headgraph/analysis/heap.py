@@ -6,11 +6,22 @@ effects, 1.8 GiB of them after one batch's gradient passes, counted in the proce
 stage's peak. Mapping every such tensor instead (a low mmap threshold) returns them too, at 30 % more time there,
 and only in a heap that has not grown yet: glibc serves an allocation from its free chunks before it maps one (a
 256 KiB threshold set before the 1.1B shape's loss stage, after its local effects: 5.71 GiB peak, 5.66 without).
+
+Fresh memory asked for huge pages (`huge_pages_for`): a tensor larger than that threshold is a new mapping, and its
+first write faults it in a 4 KiB page at a time.
 """
 
 import ctypes
 import ctypes.util
 import functools
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_MADV_HUGEPAGE = 14  # Linux
+_PAGE = 4096
 
 
 @functools.cache
@@ -28,3 +39,29 @@ def release_freed() -> bool:
     page inside it); whether any was given. Memory still in use is untouched. A no-op without glibc."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+@functools.cache
+def _madvise():
+    """The C library's madvise on Linux, or None."""
+    name = ctypes.util.find_library("c") if sys.platform == "linux" else None
+    advise = getattr(ctypes.CDLL(name), "madvise", None) if name else None
+    if advise is not None:
+        advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return advise
+
+
+def huge_pages_for(tensor: "torch.Tensor") -> "torch.Tensor":
+    """`tensor` (a CPU tensor not yet written) with its memory advised for transparent huge pages (madvise
+    MADV_HUGEPAGE over the whole pages it spans), so that its first write faults it in 2 MiB at a time: a float32
+    copy of a 46 MB weight matrix into a new mapping took 15.8 ms, 4.6 ms so advised, 2.4 ms into memory written
+    before. Only where the kernel's THP setting is `madvise` or `always` does it change anything; the memory and
+    the values are the same either way. A no-op off Linux."""
+    advise = _madvise()
+    if advise is not None and tensor.device.type == "cpu":
+        storage = tensor.untyped_storage()
+        first = -(-storage.data_ptr() // _PAGE) * _PAGE
+        end = (storage.data_ptr() + storage.nbytes()) // _PAGE * _PAGE
+        if end > first:
+            advise(first, end - first, _MADV_HUGEPAGE)
+    return tensor
