@@ -194,15 +194,21 @@ def _vm_flags(address: int) -> list[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, read in /proc")
 def test_fresh_memory_is_advised_for_huge_pages_and_keeps_its_values():
     """huge_pages_for marks a new mapping's memory for transparent huge pages (VmFlags "hg"): a float32 copy of a
-    tens-of-MB weight matrix is then faulted in 2 MiB at a time."""
-    from headgraph.analysis.heap import huge_pages_for
+    tens-of-MB weight matrix is then faulted in 2 MiB at a time; empty_mapped does so above glibc's largest mmap
+    threshold only, leaving the heap's memory as it is."""
+    from headgraph.analysis.heap import MAPPED_BYTES, empty_mapped, huge_pages_for
+
+    def middle(tensor):
+        return tensor.untyped_storage().data_ptr() + tensor.untyped_storage().nbytes() // 2
 
     fresh = torch.empty(16 * 2**20)  # 64 MiB: a mapping of its own
-    middle = fresh.untyped_storage().data_ptr() + fresh.untyped_storage().nbytes() // 2
-    assert "hg" not in _vm_flags(middle)
-    assert huge_pages_for(fresh) is fresh and "hg" in _vm_flags(middle)
+    assert "hg" not in _vm_flags(middle(fresh))
+    assert huge_pages_for(fresh) is fresh and "hg" in _vm_flags(middle(fresh))
     stored = torch.randn(16 * 2**20).bfloat16()
     assert torch.equal(fresh.copy_(stored), stored.float())
+    above, below = empty_mapped(fresh, MAPPED_BYTES // 4 + 1024), empty_mapped(fresh, 2**16)
+    assert above.shape == (MAPPED_BYTES // 4 + 1024,) and "hg" in _vm_flags(middle(above))
+    assert below.shape == (2**16,) and "hg" not in _vm_flags(middle(below))
 
 
 def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 _MADV_HUGEPAGE = 14  # Linux
 _PAGE = 4096
+MAPPED_BYTES = 32 * 2**20  # glibc's largest mmap threshold: a larger allocation is always a mapping of its own
 
 
 @functools.cache
@@ -65,3 +66,11 @@ def huge_pages_for(tensor: "torch.Tensor") -> "torch.Tensor":
         if end > first:
             advise(first, end - first, _MADV_HUGEPAGE)
     return tensor
+
+
+def empty_mapped(like: "torch.Tensor", *size: int) -> "torch.Tensor":
+    """like.new_empty(size), in huge pages (`huge_pages_for`) where it is a CPU mapping of its own (over
+    MAPPED_BYTES); smaller, it comes from glibc's heap and is left as it is (advice there would split the heap's
+    mapping, and most of it is written before)."""
+    tensor = like.new_empty(size)
+    return huge_pages_for(tensor) if tensor.untyped_storage().nbytes() > MAPPED_BYTES else tensor

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from headgraph.analysis.heap import huge_pages_for
+from headgraph.analysis.heap import MAPPED_BYTES, huge_pages_for
 from headgraph.errors import BadWeights, ModelUnavailable, UsageError, check_choice, first_line
 from headgraph.heads import Processing
 
@@ -460,7 +460,7 @@ def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokeniz
     return bridge
 
 
-_POOLED_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger float32 copies go back to the system when freed
+_POOLED_BYTES = MAPPED_BYTES  # larger float32 copies are mappings of their own, given back when freed
 
 
 class _Upcasts:

@@ -538,15 +538,17 @@ def _rotary(net: Net, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Ten
     return cos[:, :, None].expand(shape), sin[:, :, None].expand(shape)
 
 
-def rotate(rotary: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+def rotate(rotary: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """Queries or keys x [..., b, T, h, e] rotated by `_rotary`'s cos and signed sin (rotate-half convention,
-    the first r dimensions; linear in x, so a change of the input rotates as the input does); x itself
-    without. Three passes over x: x·cos, then each half's multiply-add of the other half."""
+    the first r dimensions; linear in x, so a change of the input rotates as the input does), into `out` (x's
+    shape, any layout) where given; x itself without rotary. Three passes over x: x·cos, then each half's
+    multiply-add of the other half."""
     if rotary is None:
         return x
     cos, sin = rotary
     half = sin.shape[-1] // 2
-    out = x * cos
+    out = x * cos if out is None else torch.mul(x, cos, out=out)
     out[..., :half].addcmul_(x[..., half:2 * half], sin[..., :half])
     out[..., half:2 * half].addcmul_(x[..., :half], sin[..., half:])
     return out
