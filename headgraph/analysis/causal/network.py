@@ -90,8 +90,7 @@ class Net:
     scale: float
     weights: dict[str, Any]  # W_Q [H, d, e], W_K/W_V [KV, d, e], W_O [H, e, d]: a tuple of each layer's (the
     # bridge's own tensors, views of its parameters in its dtype where it gives views: a bf16 checkpoint's raw weights
-    # exactly, read in float32 through `weight`); b_Q/b_K/b_V [L, h, e]; local_path "recompute": out_root_inverse
-    # R^-1 [L, H, e, e], for attribution
+    # exactly, read in float32 through `weight`); b_Q/b_K/b_V [L, h, e]
     out_root: torch.Tensor  # R [L, H, e, e] with R R^T = W_O W_O^T: ||z W_O|| = ||z R||
     z_offset: torch.Tensor | None = None  # [L, H, e]: what "tl" folds out of a raw bridge's z (`processed_outputs`)
 
@@ -200,7 +199,6 @@ def network(model, probe: TokenInputs) -> Net:
               local_path="recompute", rotary=rotary, scale=1.0 / math.sqrt(cfg.d_head), weights=weights,
               out_root=root, z_offset=offset)
     if layout != "resid" and not out_norm and _recomputes(net, probe):
-        weights["out_root_inverse"] = torch.linalg.pinv(root)  # Δz = (Δz R) R^-1, for attribution
         return net if n_kv == net.n_heads and not rotary else dataclasses.replace(net, path="module")
     return dataclasses.replace(net, path="module", local_path="module")
 
@@ -247,13 +245,16 @@ def _recomputes(net: Net, probe: TokenInputs) -> bool:
 class Gradients:
     """A decoder's loss gradients at one layer's heads, read at the ATTRIBUTION_STEPS + 1 points α = k / steps of
     the path from the clean to the counterfactual activations (every head's z at z + α Δz), and what places an
-    edge's change on that path: its projection on each receiver's own Δz, in the output metric (Δz W_O)."""
+    edge's change on that path: its projection on each receiver's own Δz, in the output metric (Δz W_O). Each
+    is laid out as the products that read it take it, so that they copy no operand."""
 
-    pattern: torch.Tensor  # [steps + 2, b, H, T, T]: ∂L/∂A at each point, then M with Σ ΔA·M = <ΔA v W_O, Δz W_O>
-    # [steps + 2, b, T, H, e], one of: ∂L/∂z at each point, then Δz W_O W_O^T (Σ dz·it = <dz W_O, Δz W_O>), as
-    # local path "module" reads a change in z; both read by a change in Δz R (`output_change`): ∂L/∂z R^-T, Δz R
+    pattern: torch.Tensor  # [b, H, steps + 2, T, T]: ∂L/∂A at each point, then M with Σ ΔA·M = <ΔA v W_O, Δz W_O>
+    # one of: z [steps + 2, b, T, H, e], ∂L/∂z at each point, then Δz W_O W_O^T (Σ dz·it = <dz W_O, Δz W_O>), as
+    # local path "module" reads a change in z; values [b, KV, T, e, steps + 2, G] (G query heads per KV head),
+    # the same read by a change of the values (path "recompute"): Σ_q A[q, k] z[q] of each query head, as
+    # Σ dv[k]·it = Σ (A dv)[q]·z[q]
     z: torch.Tensor | None
-    z_out: torch.Tensor | None
+    values: torch.Tensor | None
     squared: torch.Tensor  # [b, H]: ||Δz W_O||² of each head over the batch's tokens
 
 
@@ -375,16 +376,31 @@ def path_weights(place: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.where(tiny, clean, area / torch.where(tiny, torch.ones_like(place), place))
 
 
-def attribution(grads: Gradients, change: torch.Tensor, kind: str, out_space: bool = False) -> torch.Tensor:
-    """First-order loss change [S, b, H] of the receivers' exact change: A' - A [S, b, H, T, T] (Q/K) or Δz
-    [S, b, T, H, e] (V; `out_space`: as Δz R). Each edge's gradient is the mean over its own stretch [0, c] of
-    the clean-to-counterfactual path, c in [0, 1] its change's projection on the receiver's whole Δz (an
+def attribution(grads: Gradients, change: torch.Tensor, kind: str) -> torch.Tensor:
+    """First-order loss change [S, b, H] of the receivers' exact change: A' - A [S, b, H, T, T] (Q/K; read as
+    one product without a copy where its memory is heads before senders, [b, H, S, T, T]) or Δz [S, b, T, H, e]
+    (V; the values' change: `value_attribution`). Each edge's gradient is the mean over its own stretch [0, c]
+    of the clean-to-counterfactual path, c in [0, 1] its change's projection on the receiver's whole Δz (an
     input's all its tokens): a small change reads the clean gradient (first-order exact), one as large as the
     receiver's counterfactual change the integrated gradient of the whole path."""
     if kind == "V":
-        dots = torch.einsum("sbthe,nbthe->nsbh", change, grads.z_out if out_space else grads.z)
-    else:
-        dots = torch.einsum("sbhqk,nbhqk->nsbh", change, grads.pattern)
+        return _along_path(grads, torch.einsum("sbthe,nbthe->nsbh", change, grads.z))
+    dots = torch.matmul(change.permute(1, 2, 0, 3, 4).flatten(3), grads.pattern.flatten(3).transpose(-1, -2))
+    return _along_path(grads, dots.permute(3, 2, 0, 1))
+
+
+def value_attribution(grads: Gradients, dv: torch.Tensor) -> torch.Tensor:
+    """`attribution` [S, b, H] of the change of z that a change of the receivers' values dv [S, b, T, KV, e] causes
+    (A dv of each query head), read off dv itself: one product per (input, KV head) with `Gradients.values`."""
+    S, b, T, KV, e = dv.shape
+    values = grads.values
+    dots = torch.bmm(dv.permute(1, 3, 0, 2, 4).reshape(b * KV, S, T * e), values.view(b * KV, T * e, -1))
+    return _along_path(grads, dots.view(b, KV, S, *values.shape[-2:]).permute(3, 2, 0, 1, 4).flatten(3))
+
+
+def _along_path(grads: Gradients, dots: torch.Tensor) -> torch.Tensor:
+    """Σ_k w_k dots[k] [S, b, H] from the dots [steps + 2, S, b, H] of a change with the gradient at each point and
+    (last) with the receiver's own Δz, which places the change on the path (`path_weights`)."""
     squared = grads.squared[None]
     place = torch.where(squared > 0, dots[-1] / squared.clamp(min=1e-30), torch.zeros_like(dots[-1])).clamp(0, 1)
     return (path_weights(place, len(dots) - 2) * dots[:-1]).sum(0)
@@ -401,16 +417,18 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
     values = [f"blocks.{l}.attn.hook_v" for l in range(net.n_layers)]
     ids = batch.input_ids.to(net.bridge.cfg.device)
     real = batch.attention_mask.bool().to(ids.device)
-    found = {name: [] for name in names}
+    found, patterns = {name: [] for name in names}, {}  # patterns: the clean A of each layer (α = 0)
     for k in range(steps + 1):
         alpha, kept = k / steps, {}
 
         def keep(name):
             def hook(value, hook):
+                layer = int(name.split(".")[1])
                 if name.endswith("hook_z"):
-                    layer = int(name.split(".")[1])
                     target = clean[name] + alpha * dz[layer].to(value.dtype)
                     value = value + (target - value).detach()
+                elif alpha == 0 and net.local_path == "recompute":
+                    patterns[layer] = value.detach().float()
                 kept[name] = value
                 return value
             return hook
@@ -434,16 +452,16 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
         w_o = net.weight("W_O", l)
         metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o, w_o)  # Δz W_O W_O^T
         places = torch.einsum("bkhe,bqhe->bhqk", v, metric)
-        z_grads = torch.stack(found.pop(f"blocks.{l}.attn.hook_z"))
-        z = z_out = None
-        if "out_root_inverse" in net.weights:
-            z_out = torch.cat([torch.einsum("nbthe,hfe->nbthf", z_grads, net.weights["out_root_inverse"][l]),
-                               torch.einsum("bthe,hef->bthf", dz[l], net.out_root[l])[None]])
-        else:
-            z = torch.cat([z_grads, metric[None]])
-        found_by_layer[l] = Gradients(
-            pattern=torch.cat([torch.stack(found.pop(f"blocks.{l}.attn.hook_pattern")), places[None]]),
-            z=z, z_out=z_out, squared=torch.einsum("bthe,bthe->bh", dz[l], metric))
+        z = torch.cat([torch.stack(found.pop(f"blocks.{l}.attn.hook_z")), metric[None]])
+        by_value = None
+        if l in patterns:  # Σ_q A[q, k] z[q], each query head's, grouped by KV head
+            G = net.kv_group
+            by_value = torch.einsum("bgmqk,nbqgme->bgkenm", patterns.pop(l).unflatten(1, (-1, G)),
+                                    z.unflatten(3, (-1, G))).contiguous()
+            z = None
+        pattern = torch.cat([torch.stack(found.pop(f"blocks.{l}.attn.hook_pattern"), 2), places[:, :, None]], 2)
+        found_by_layer[l] = Gradients(pattern=pattern, z=z, values=by_value,
+                                      squared=torch.einsum("bthe,bthe->bh", dz[l], metric))
     return found_by_layer
 
 
