@@ -157,12 +157,13 @@ def value_change(recv: Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
 def output_change(net: Net, recv: Layer, dv: torch.Tensor) -> torch.Tensor:
     """Δz R [S, b, T, H, e] of every query head of a receiver layer when only the values of its KV heads change
     by dv [S, b, T, KV, e] (the changed input, projected through W_V): ||Δz R|| = ||Δz W_O||, each query head
-    reading its KV head's change through its own attention row."""
-    if net.kv_group == 1:
-        dz = value_change(recv, dv, slice(None))
-    else:
-        dz = torch.einsum("bgnqk,sbkge->sbqgne", recv.pattern.unflatten(1, (-1, net.kv_group)), dv).flatten(3, 4)
-    return torch.einsum("sbthe,hef->sbthf", dz, net.out_root[recv.layer])
+    reading its KV head's change through its own attention row. Its memory is [b, H, T, S, e], as the two
+    products write it (per input and KV head: A of the group's query heads [G T, T] times dv [T, S e]; per
+    input and head: times R), so that neither copies its result."""
+    S, b, T, KV, e = dv.shape
+    values = dv.permute(1, 3, 2, 0, 4).reshape(b, KV, T, S * e)
+    dz = torch.matmul(recv.pattern.view(b, KV, -1, T), values).view(b, -1, T * S, e)  # [b, H, T S, e]
+    return torch.matmul(dz, net.out_root[recv.layer]).view(b, -1, T, S, e).permute(3, 0, 2, 1, 4)
 
 
 def _squared_outputs(net: Net, layer: int, z: torch.Tensor) -> torch.Tensor:
