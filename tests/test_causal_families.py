@@ -162,3 +162,49 @@ def test_grouped_query_receivers_are_the_kv_heads(models):
     assert counts == {"Q": later * H * H, "K": later * H * KV, "V": later * H * KV}
     assert set(local[local.target_type != "Q"].target) == {f"L{l}KV{g}" for l in range(1, L) for g in range(KV)}
     assert np.isfinite(local.effect).all()
+
+
+STEPS = 4  # headgraph.analysis.causal.network.ATTRIBUTION_STEPS, as run.json's definition states it
+
+
+def test_a_grouped_value_receivers_attribution_is_its_definition(models):
+    """effect_attr of a grouped-query V edge (Llama's L0H3 -> L1KV0) equals run.json's definition rebuilt from
+    the bridge's hooks: for each query head of the KV head's group, the exact change of its z (the receiver's
+    split value input moved by the sender's write) times dL/dz, the gradient averaged over the edge's stretch
+    [0, c] of the path on which every head's z is z + alpha (z' - z), read at alpha = k/4 and linear between, c
+    the change's projection on the head's own z' - z in the output metric, clipped to [0, 1]; summed over the
+    group and the inputs, per predicted token (a fine trapezoid rule, not the closed form)."""
+    model = models["llama"]
+    bridge = model.bridge
+    inputs = repeated_token_inputs(model.tokenizer, N_INPUTS, seed=1, length=HALF)
+    alt = C.resample_inputs(inputs, seed=0)
+    local = C.local_effects(model, inputs, corrupted=alt, n_boot=20)
+    row = local[(local.source == "L0H3") & (local.target == "L1KV0") & (local.target_type == "V")]
+    ids, names = inputs.input_ids, [f"blocks.{l}.attn.hook_z" for l in range(model.cfg["n_layers"])]
+    _, clean = bridge.run_with_cache(ids, names_filter=lambda n: n in names)
+    _, other = bridge.run_with_cache(alt.input_ids, names_filter=lambda n: n in names)
+    dz = {n: other[n] - clean[n] for n in names}
+    gradients = []
+    for k in range(STEPS + 1):
+        with torch.enable_grad():
+            leaves = {n: (clean[n] + k / STEPS * dz[n]).detach().requires_grad_() for n in names}
+            hooks = [(n, lambda value, hook, z=leaves[n]: z) for n in names]
+            _losses(bridge.run_with_hooks(ids, fwd_hooks=hooks), ids).backward()
+        gradients.append(leaves[names[1]].grad.float())  # [b, T, H, e]
+    delta = _sender_write(model, inputs, alt, 0, 3)
+    _, before = _patched_receiver(model, inputs, torch.zeros_like(delta), 1, 0, "V")
+    _, after = _patched_receiver(model, inputs, delta, 1, 0, "V")
+    w_o, grid, total = model.W_O[1].float(), np.linspace(0, 1, 4001), 0.0
+    for h in range(model.cfg["n_heads"] // model.cfg["n_kv_heads"]):  # the query heads reading KV head 0
+        change, own = (after["z"] - before["z"])[:, :, h].float(), dz[names[1]][:, :, h].float()  # [b, T, e]
+        place = ((change @ w_o[h]) * (own @ w_o[h])).sum((1, 2)) / (own @ w_o[h]).pow(2).sum((1, 2))
+        for i, c in enumerate(place.clamp(0, 1).tolist()):
+            dots = np.array([float((change[i] * g[i, :, h]).sum()) for g in gradients])
+            if c == 0:
+                total += dots[0]
+                continue
+            stretch = grid * c
+            total += np.trapezoid(np.interp(stretch, np.arange(STEPS + 1) / STEPS, dots), stretch) / c
+    want = total / (len(inputs) * (LENGTH - 1))
+    assert abs(want) > 1e-6  # the edge moves the loss: the comparison is not of two zeros
+    assert float(row.effect_attr.iloc[0]) == pytest.approx(want, rel=1e-3, abs=1e-7)
