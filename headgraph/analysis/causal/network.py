@@ -379,10 +379,10 @@ def path_weights(place: torch.Tensor, steps: int) -> torch.Tensor:
 def attribution(grads: Gradients, change: torch.Tensor, kind: str) -> torch.Tensor:
     """First-order loss change [S, b, H] of the receivers' exact change: A' - A [S, b, H, T, T] (Q/K; read as
     one product without a copy where its memory is heads before senders, [b, H, S, T, T]) or Δz [S, b, T, H, e]
-    (V; the values' change: `value_attribution`). Each edge's gradient is the mean over its own stretch [0, c]
-    of the clean-to-counterfactual path, c in [0, 1] its change's projection on the receiver's whole Δz (an
-    input's all its tokens): a small change reads the clean gradient (first-order exact), one as large as the
-    receiver's counterfactual change the integrated gradient of the whole path."""
+    (V, path "module"; a change of the values themselves: `value_attribution`). Each edge's gradient is the mean
+    over its own stretch [0, c] of the clean-to-counterfactual path, c in [0, 1] its change's projection on the
+    receiver's whole Δz (an input's all its tokens): a small change reads the clean gradient (first-order exact),
+    one as large as the receiver's counterfactual change the integrated gradient of the whole path."""
     if kind == "V":
         return _along_path(grads, torch.einsum("sbthe,nbthe->nsbh", change, grads.z))
     dots = torch.matmul(change.permute(1, 2, 0, 3, 4).flatten(3), grads.pattern.flatten(3).transpose(-1, -2))
