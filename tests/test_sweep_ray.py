@@ -49,7 +49,9 @@ def cluster(tmp_path_factory):
     ray_cli = Path(sys.executable).with_name("ray")
     doomed, hooks = doomed_worker_env(tmp_path_factory.mktemp("hooks"))
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    env = {**os.environ, **hooks, **auth, "OMP_NUM_THREADS": "1"}
+    # Ray starts its workers at nice 15, behind every other process: beside the suite's other workers they were
+    # starved (the first test took 40 s alone, 331 s beside two busy processes), so this head's run at nice 0
+    env = {**os.environ, **hooks, **auth, "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0"}
     with log.open("w") as out:
         head = subprocess.Popen([str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                                  f"--ray-client-server-port={_free_port()}", "--num-cpus=2",
