@@ -216,13 +216,15 @@ def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monk
     the pool's size set to 0: the blocks' and the embedding's, the patterns' pass stopping before the unembedding)
     is allocated in huge pages, and the patterns stay the float32 model's bit for bit."""
     from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis import heap
     from headgraph.analysis.roles import input_set, input_set_names
     from headgraph.loader import models
     from headgraph.testing.families import save_family
 
     advised = []
     monkeypatch.setattr(models, "_POOLED_BYTES", 0)
-    monkeypatch.setattr(models, "huge_pages_for", lambda t: advised.append(tuple(t.shape)) or t)
+    monkeypatch.setattr(heap, "MAPPED_BYTES", 0)  # each copy taken for a mapping of its own
+    monkeypatch.setattr(heap, "huge_pages_for", lambda t: advised.append(tuple(t.shape)) or t)
     folder = as_bf16(save_family("llama", tmp_path / "llama"))
     streamed = open_model(folder, device="cpu")
     float32 = load_model(folder, processing="raw", device="cpu")

@@ -68,9 +68,13 @@ def huge_pages_for(tensor: "torch.Tensor") -> "torch.Tensor":
     return tensor
 
 
-def empty_mapped(like: "torch.Tensor", *size: int) -> "torch.Tensor":
-    """like.new_empty(size), in huge pages (`huge_pages_for`) where it is a CPU mapping of its own (over
+def mapped(tensor: "torch.Tensor") -> "torch.Tensor":
+    """`tensor` (not yet written) in huge pages (`huge_pages_for`) where it is a CPU mapping of its own (over
     MAPPED_BYTES); smaller, it comes from glibc's heap and is left as it is (advice there would split the heap's
     mapping, and most of it is written before)."""
-    tensor = like.new_empty(size)
     return huge_pages_for(tensor) if tensor.untyped_storage().nbytes() > MAPPED_BYTES else tensor
+
+
+def empty_mapped(like: "torch.Tensor", *size: int) -> "torch.Tensor":
+    """like.new_empty(size), `mapped`."""
+    return mapped(like.new_empty(size))

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from headgraph.analysis.heap import MAPPED_BYTES, huge_pages_for
+from headgraph.analysis.heap import MAPPED_BYTES, mapped
 from headgraph.errors import BadWeights, ModelUnavailable, UsageError, check_choice, first_line
 from headgraph.heads import Processing
 
@@ -517,9 +517,8 @@ class _Upcasts:
 
 
 def _float32(stored: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a stored matrix, in its layout, in huge pages where it is mapped afresh."""
-    copy = torch.empty_like(stored, dtype=torch.float32)
-    return (huge_pages_for(copy) if copy.numel() * 4 > _POOLED_BYTES else copy).copy_(stored)
+    """A float32 copy of a stored matrix, in its layout, in huge pages where it is mapped afresh (`mapped`)."""
+    return mapped(torch.empty_like(stored, dtype=torch.float32)).copy_(stored)
 
 
 def run_blocks_in_float32(bridge) -> None:
