@@ -215,8 +215,8 @@ def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monk
     """Each weight matrix of a bf16 checkpoint upcast for a pass outside the pool of small copies (every one here,
     the pool's size set to 0: the blocks' and the embedding's, the patterns' pass stopping before the unembedding)
     is allocated in huge pages, and the patterns stay the float32 model's bit for bit."""
-    from headgraph.analysis.patterns import capture_patterns
     from headgraph.analysis import heap
+    from headgraph.analysis.patterns import capture_patterns
     from headgraph.analysis.roles import input_set, input_set_names
     from headgraph.loader import models
     from headgraph.testing.families import save_family

@@ -183,13 +183,7 @@ def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor
         attr = _attribution(batch, layer, moved, kind)
         tv = moved.abs_().sum(-1).mul_(0.5)
         sums = (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
-    attr = _heads_last(attr)
-    return _by_receiver(net, kind, sums), None if attr is None else _by_receiver(net, kind, attr)
-
-
-def _heads_last(attr: torch.Tensor | None) -> torch.Tensor | None:
-    """[S, b, H] -> [S, H, b], as the local sums."""
-    return None if attr is None else attr.transpose(1, 2)
+    return _by_receiver(net, kind, sums), None if attr is None else _by_receiver(net, kind, attr.transpose(1, 2))
 
 
 def _by_receiver(net: Net, kind: str, per_head: torch.Tensor) -> torch.Tensor:
