@@ -213,8 +213,8 @@ def test_fresh_memory_is_advised_for_huge_pages_and_keeps_its_values():
 
 def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monkeypatch):
     """Each weight matrix of a bf16 checkpoint upcast for a pass outside the pool of small copies (every one here,
-    the pool's size set to 0: the blocks' and the embedding's, the patterns' pass stopping before the unembedding)
-    is allocated in huge pages, and the patterns stay the float32 model's bit for bit."""
+    the pool's size set to 0: the blocks', the patterns' pass stopping before the unembedding) is allocated in huge
+    pages, and the patterns stay the float32 model's bit for bit."""
     from headgraph.analysis import heap
     from headgraph.analysis.patterns import capture_patterns
     from headgraph.analysis.roles import input_set, input_set_names
@@ -231,10 +231,37 @@ def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monk
     inputs = input_set(float32, input_set_names(True)[0], 6, 0)
     with streamed.patterns_only() as model:
         patterns = capture_patterns(model.bridge, inputs)
-        read = [*model.bridge.blocks.parameters(), *model.bridge.embed.parameters()]
-        matrices = sorted(tuple(p.shape) for p in read if p.dtype == torch.bfloat16)
+        matrices = sorted(tuple(p.shape) for p in model.bridge.blocks.parameters() if p.dtype == torch.bfloat16)
     assert len(matrices) > 10 and sorted(advised) == matrices
     assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+
+
+def test_the_token_embedding_is_upcast_only_in_the_rows_a_pass_looks_up(tmp_path):
+    """A bf16 checkpoint's token embedding runs as a float32 table of the distinct ids of the pass, not of the whole
+    vocabulary, and is the stored table again after; the patterns and the loss stay the float32 model's."""
+    from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.testing.families import save_family
+
+    folder = as_bf16(save_family("llama", tmp_path / "llama"))
+    streamed = open_model(folder, device="cpu")
+    float32 = load_model(folder, processing="raw", device="cpu")
+    inputs = input_set(float32, input_set_names(True)[0], 6, 0)
+    ids = inputs.input_ids
+    seen = []
+    with streamed.patterns_only() as model:
+        embedding = model.bridge.embed.original_component
+        stored = (tuple(embedding.weight.shape), embedding.weight.dtype)
+        handle = embedding.register_forward_hook(lambda m, a, o: seen.append((tuple(m.weight.shape), m.weight.dtype)))
+        patterns = capture_patterns(model.bridge, inputs)
+        handle.remove()
+        assert (tuple(embedding.weight.shape), embedding.weight.dtype) == stored
+        with torch.no_grad():
+            losses = [bridge(ids, return_type="loss", attention_mask=inputs.attention_mask) for bridge in
+                      (model.bridge, float32.bridge)]
+    assert stored[1] == torch.bfloat16 and seen == [((ids.unique().numel(), stored[0][1]), torch.float32)]
+    assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+    assert torch.equal(losses[0], losses[1])
 
 
 def analyze(source, out: Path, **settings):

@@ -521,12 +521,49 @@ def _float32(stored: torch.Tensor) -> torch.Tensor:
     return mapped(torch.empty_like(stored, dtype=torch.float32)).copy_(stored)
 
 
+class _LookedUpRows:
+    """The token embedding as a float32 table of only the rows its ids look up, while it runs: the wrapper (the
+    bridge's component, which casts its output to its table's dtype) swaps the stored table for those rows, the
+    embedding itself reads each id's place among them. A float32 copy of the whole table on every pass (Llama-3-8B:
+    128256 x 4096, 2.1 GB) becomes one of the few rows the pass reads; the values are the same, rows of the stored
+    table made float32. Its padding_idx (which only keeps that row's gradient at zero, and names a row of the whole
+    table) is set aside meanwhile."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        self.embedding, self.stored, self.places, self.padding = embedding, None, None, embedding.padding_idx
+
+    def enter(self, module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        rows, self.places = torch.unique(ids, return_inverse=True)
+        self.stored = self.embedding.weight.data
+        self.embedding.weight.data, self.embedding.padding_idx = self.stored[rows].float(), None
+
+    def look_up(self, module, args, kwargs):
+        """The embedding's ids as places among the rows `enter` took."""
+        return ((self.places, *args[1:]), kwargs) if args else (args, {**kwargs, "input_ids": self.places})
+
+    def leave(self, module, args, kwargs, output):
+        if self.stored is not None:
+            self.embedding.weight.data, self.embedding.padding_idx = self.stored, self.padding
+            self.stored, self.places = None, None
+
+
+def _token_embedding(bridge) -> tuple[torch.nn.Module, torch.nn.Embedding] | None:
+    """(the bridge's token-embedding component, its torch Embedding) where rows can be looked up alone: a plain
+    lookup (no max_norm, which rewrites the rows it reads); None otherwise."""
+    wrapper = getattr(bridge, "embed", None)
+    embedding = getattr(wrapper, "original_component", wrapper)
+    if not isinstance(embedding, torch.nn.Embedding) or embedding.max_norm is not None:
+        return None
+    return wrapper, embedding
+
+
 def run_blocks_in_float32(bridge) -> None:
     """Cast every floating tensor of `bridge` but its weight matrices (norm weights and biases, buffers) to float32,
     and hook each block, each block's attention and each module outside the blocks that holds a matrix
     (embeddings, unembedding) so that their matrices are float32 while they run and their stored tensors are put
     back after: the model then holds at most one block in float32 besides its stored weights, also through a
-    backward pass (`_Upcasts`)."""
+    backward pass (`_Upcasts`); the token embedding holds only the rows a pass looks up (`_LookedUpRows`)."""
     inside = {id(m) for block in bridge.blocks for m in block.modules()}
     wrapper = {id(getattr(m, "original_component", None)): m for m in bridge.modules()}  # the bridge's component
     outside = [wrapper.get(id(m), m) for m in bridge.modules()  # (it reads the dtype its output is cast to)
@@ -541,6 +578,14 @@ def run_blocks_in_float32(bridge) -> None:
                     module._buffers[name] = buffer.float()
     upcasts = _Upcasts()
     blocks = [m for block in bridge.blocks for m in (block, getattr(block, "attn", None)) if m is not None]
+    token = _token_embedding(bridge)
+    if token is not None and token[1].weight.dtype != torch.float32:
+        wrapper, embedding = token
+        rows = _LookedUpRows(embedding)
+        outside = [m for m in outside if m is not wrapper]
+        wrapper.register_forward_pre_hook(rows.enter, with_kwargs=True)
+        embedding.register_forward_pre_hook(rows.look_up, with_kwargs=True)
+        wrapper.register_forward_hook(rows.leave, with_kwargs=True, always_call=True)
     for module in blocks + outside:
         held: dict = {}
         module.register_forward_pre_hook(partial(upcasts.enter, held=held))
