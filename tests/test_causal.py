@@ -512,20 +512,39 @@ def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, 
     model = loaded(planted_key_path[0], "tl")
     probe = repeated_token_inputs(model.tokenizer, 1, seed=0, length=8)
     net = causal_network.network(model, probe)
-    assert causal_loss._plain_unembed(net, probe) is model.bridge.unembed.original_component
+    assert causal_loss.plain_unembed(net, probe) is model.bridge.unembed.original_component
     model.bridge.add_hook("unembed.hook_out", lambda logits, hook: 2 * logits)  # logits changed after it
     try:
-        assert causal_loss._plain_unembed(net, probe) is None
+        assert causal_loss.plain_unembed(net, probe) is None
     finally:
         model.bridge.reset_hooks()
     inputs = repeated_token_inputs(model.tokenizer, 6, seed=3, length=8)
     edges = pd.DataFrame({"source": ["L0H0", "L0H1", "L1H2"], "target": ["L1H1", "L2H0", "L2H3"],
                           "source_type": "O", "target_type": ["Q", "K", "V"]})
     buffered = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
-    monkeypatch.setattr(causal_loss, "_plain_unembed", lambda net, probe: None)
+    monkeypatch.setattr(causal_loss, "plain_unembed", lambda net, probe: None)
     bridges = C.loss_effects(model, inputs, edges, n_boot=20, seed=1, max_memory=1)
     assert bridges.effect_loss.abs().max() > 1e-4
     pd.testing.assert_frame_equal(buffered, bridges, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_losses_by_vocabulary_chunks_equal_cross_entropy_and_its_gradient(dtype, monkeypatch):
+    monkeypatch.setattr(causal_network, "VOCAB_ROWS", 7)  # 30 tokens: 5 chunks of a bf16 weight, the last short
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 30).to(dtype)  # the gradient passes run it under enable_grad, as here
+    hidden = torch.randn(12, 16, requires_grad=True)
+    targets, scale = torch.tensor([0, 6, 7, 13, 14, 29, 28, 21, 3, 3, 20, 27]), torch.rand(12)
+    with torch.enable_grad():
+        mine = causal_network._TokenLosses.apply(hidden, linear, targets)
+        (grad,) = torch.autograd.grad((mine * scale).sum(), hidden)
+        again = hidden.detach().requires_grad_()
+        logits = torch.nn.functional.linear(again, linear.weight.float(), linear.bias.float())
+        reference = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        (expected,) = torch.autograd.grad((reference * scale).sum(), again)
+    torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert linear.weight.dtype == dtype
 
 
 def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_hook(tmp_path, monkeypatch):

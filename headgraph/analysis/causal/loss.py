@@ -15,8 +15,9 @@ from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
                                                PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
-                                               input_change, network, patched_attention, progress_advance, project,
-                                               receiver_layer, releasing, sender_writes)
+                                               input_change, network, patched_attention, plain_unembed,
+                                               progress_advance, project, receiver_layer, releasing, sender_writes,
+                                               stop_pass, unembed)
 from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
@@ -79,37 +80,8 @@ def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind:
     return heads, torch.einsum("bqk,bke->bqe", new - recv.pattern[:, head], recv.v[:, :, head])[:, :, None]
 
 
-def _plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
-    """The decoder's unembedding as the torch Linear whose output is the model's logits (checked on `probe`), or
-    None: an encoder, or a model that changes its logits after the unembedding (soft-capping, scaling)."""
-    linear = getattr(net.bridge.unembed, "original_component", None) if net.is_decoder else None
-    if type(linear) is not torch.nn.Linear:
-        return None
-    logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
-    flat = hidden["unembed.hook_in"].flatten(0, 1)
-    mine = _unembed(linear, flat, flat.new_empty(len(flat), linear.weight.shape[0])).view_as(logits)
-    return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
-
-
-_VOCAB_ROWS = 8192  # unembedding rows upcast at once from a weight held in bf16 or float16
-
-
-def _unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(flat) [rows, V] into `out` in float32; a weight held in another dtype (a streamed checkpoint's
-    forward passes) upcast _VOCAB_ROWS rows at a time."""
-    weight, bias = linear.weight, linear.bias
-    if weight.dtype == torch.float32:
-        return torch.mm(flat, weight.T, out=out) if bias is None else torch.addmm(bias, flat, weight.T, out=out)
-    for start in range(0, weight.shape[0], _VOCAB_ROWS):
-        rows = slice(start, start + _VOCAB_ROWS)
-        out[:, rows] = flat @ weight[rows].float().T
-        if bias is not None:
-            out[:, rows] += bias[rows].float()
-    return out
-
-
 class _Logits:
-    """Logits of the loss passes through a plain unembedding (`_plain_unembed`), written into one buffer grown
+    """Logits of the loss passes through a plain unembedding (`plain_unembed`), written into one buffer grown
     to the largest pass and reused: a pass's logits are its largest tensor (e.g. 60 copies x 41 tokens x 50257,
     half a GB), and fresh memory of that size costs its first touch on every pass."""
 
@@ -123,7 +95,7 @@ class _Logits:
         if self.buffer.numel() < size:
             self.buffer = torch.empty(0)  # the old buffer goes before the new one is allocated
             self.buffer = torch.empty(size, dtype=torch.float32, device=hidden.device)
-        out = _unembed(self.linear, hidden.reshape(rows, -1), self.buffer[:size].view(rows, vocab))
+        out = unembed(self.linear, hidden.reshape(rows, -1), self.buffer[:size].view(rows, vocab))
         return out.view(*hidden.shape[:2], -1)
 
 
@@ -136,8 +108,6 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
 
     Copy g joins the pass at its layer's input as a copy of the clean row, so what comes before its layer runs
     once for all copies: the attention mask and position terms of one input broadcast over the grown batch."""
-    from transformer_lens.model_bridge.exceptions import StopAtLayerException
-
     joining = {}  # layer -> (first row, head slices, dz [T, h, e] each) of the copies that join there
     for g, (layer, changed, dz) in enumerate(changes):
         _, heads, dzs = joining.setdefault(layer, (1 + g, [], []))
@@ -156,15 +126,12 @@ def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, sli
         z[rows, :, columns] += torch.cat([dz.transpose(0, 1) for dz in dzs]).to(z.dtype)
         return z
 
-    def stop(hidden, hook):  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
-        raise StopAtLayerException(hidden)
-
     hooks = [hook for layer in joining for hook in ((f"blocks.{layer}.hook_resid_pre", join),
                                                      (f"blocks.{layer}.attn.hook_z", patch))]
-    if not net.is_decoder:
-        hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop))
+    if not net.is_decoder:  # the bridge returns the final hidden states; the MLM head (half the work) is skipped
+        hooks.append((f"blocks.{net.n_layers - 1}.hook_resid_post", stop_pass))
     elif logits is not None:
-        hooks.append(("unembed.hook_in", stop))
+        hooks.append(("unembed.hook_in", stop_pass))
     first = min(joining, default=net.n_layers)  # the pass is grown from here on
     grown = [net.bridge.blocks[layer].attn.register_forward_pre_hook(_grown_rows, with_kwargs=True)
              for layer in range(first, net.n_layers)]
@@ -235,8 +202,8 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
     advance = progress_advance(progress, "causal: loss effects", sets, batch_size, ablation == "mean")
     order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
-    unembed = _plain_unembed(net, sets[0].batch(0, 1))
-    logits = _Logits(unembed) if unembed is not None else None
+    linear = plain_unembed(net, sets[0].batch(0, 1))
+    logits = _Logits(linear) if linear is not None else None
     budget = max(0, max_memory - net.nbytes)  # a pass's copies, beside the Net's copies of the weights
     for batch in batches(net, sets, alternatives, batch_size, advance):
         receivers, changes = {}, []

@@ -406,13 +406,91 @@ def _along_path(grads: Gradients, dots: torch.Tensor) -> torch.Tensor:
     return (path_weights(place, len(dots) - 2) * dots[:-1]).sum(0)
 
 
+def plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
+    """The decoder's unembedding as the torch Linear whose output is the model's logits (checked on `probe`), or
+    None: an encoder, or a model that changes its logits after the unembedding (soft-capping, scaling)."""
+    linear = getattr(net.bridge.unembed, "original_component", None) if net.is_decoder else None
+    if type(linear) is not torch.nn.Linear:
+        return None
+    logits, hidden = run_with_activations(net.bridge, probe, ["unembed.hook_in"], return_type="logits")
+    flat = hidden["unembed.hook_in"].flatten(0, 1)
+    mine = unembed(linear, flat, flat.new_empty(len(flat), linear.weight.shape[0])).view_as(logits)
+    return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
+
+
+VOCAB_ROWS = 8192  # unembedding rows upcast at once from a weight held in bf16 or float16
+
+
+def _vocab_chunks(linear: torch.nn.Linear) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
+    """(rows, their weight in float32, their bias) of the unembedding, VOCAB_ROWS rows at a time where its weight is
+    held in another dtype (a streamed checkpoint's forward passes), all at once where it is float32."""
+    weight, bias = linear.weight, linear.bias
+    step = weight.shape[0] if weight.dtype == torch.float32 else VOCAB_ROWS
+    buffer = None
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        if weight.dtype == torch.float32:
+            chunk = weight[rows]
+        else:
+            buffer = torch.empty(min(step, weight.shape[0]), weight.shape[1]) if buffer is None else buffer
+            chunk = buffer[:len(weight[rows])].copy_(weight[rows])
+        yield rows, chunk, None if bias is None else bias[rows].float()
+
+
+def unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(flat) [rows, V] into `out` in float32, the weight upcast by chunks (`_vocab_chunks`)."""
+    for rows, weight, bias in _vocab_chunks(linear):
+        if bias is None:
+            torch.mm(flat, weight.T, out=out[:, rows])
+        else:
+            torch.addmm(bias, flat, weight.T, out=out[:, rows])
+    return out
+
+
+class _TokenLosses(torch.autograd.Function):
+    """Cross-entropy [N] of hidden states [N, d] with their target tokens [N] through a plain unembedding
+    (`plain_unembed`), whose weight is upcast by chunks both ways (`_vocab_chunks`): a float32 copy of a bf16
+    unembedding (Llama-3-8B: 2.1 GB) is never made, and the pass keeps one [N, V] tensor, the softmax, for its
+    backward pass (the torch path keeps the logits, their log-softmax and the weight)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, linear: torch.nn.Linear, targets: torch.Tensor) -> torch.Tensor:
+        probs = unembed(linear, hidden, hidden.new_empty(len(hidden), linear.weight.shape[0]))
+        target = probs.gather(-1, targets[:, None])[:, 0]
+        top = probs.amax(-1)
+        total = probs.sub_(top[:, None]).exp_().sum(-1)
+        probs.div_(total[:, None])
+        ctx.linear, ctx.probs = linear, probs
+        ctx.save_for_backward(targets)
+        return top + total.log() - target
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (targets,) = ctx.saved_tensors
+        probs, ctx.probs = ctx.probs, None  # softmax minus the targets' one-hot, times the loss's gradient
+        probs[torch.arange(len(targets), device=targets.device), targets] -= 1
+        probs.mul_(grad[:, None])
+        out = None
+        for rows, weight, _ in _vocab_chunks(ctx.linear):
+            out = probs[:, rows] @ weight if out is None else out.addmm_(probs[:, rows], weight)
+        return out, None, None
+
+
+def stop_pass(hidden, hook):
+    """Stop a forward pass at this hook, the bridge returning its activation."""
+    from transformer_lens.model_bridge.exceptions import StopAtLayerException
+
+    raise StopAtLayerException(hidden)
+
+
 def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[str, torch.Tensor],
-                    steps: int = ATTRIBUTION_STEPS) -> dict[int, Gradients]:
+                    linear: torch.nn.Linear | None, steps: int = ATTRIBUTION_STEPS) -> dict[int, Gradients]:
     """{layer: Gradients} of a decoder's next-token loss L (summed over the predicted tokens; each input's
     gradient is its own loss's) at `steps` + 1 points α = k / steps of the path from the clean to the
     counterfactual activations: every head's z is z + α Δz (its value only: the gradient still reaches each
     pattern through the head's own z), the path of integrated-gradients edge attribution (Hanna et al. 2024).
-    `clean`: the batch's clean activations, every layer's hook_z and hook_v among them."""
+    `clean`: the batch's clean activations, every layer's hook_z and hook_v among them. With `linear` (the plain
+    unembedding, `plain_unembed`) the passes stop at its input and `_TokenLosses` forms the loss."""
     names = [f"blocks.{l}.attn.hook_{t}" for l in range(net.n_layers) for t in ("pattern", "z")]
     values = [f"blocks.{l}.attn.hook_v" for l in range(net.n_layers)]
     ids = batch.input_ids.to(net.bridge.cfg.device)
@@ -434,16 +512,20 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
             return hook
 
         release_freed()  # what came before (the batch's forward passes, the last step's gradients) freed
+        hooks = [(name, keep(name)) for name in names]
+        hooks += [("unembed.hook_in", stop_pass)] if linear is not None else []
         with torch.enable_grad(), releasing(net):
-            logits = net.bridge.run_with_hooks(ids, fwd_hooks=[(name, keep(name)) for name in names],
-                                               return_type="logits", **model_kwargs(net.bridge, batch))
-            losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
-                                                       reduction="none")
+            out = net.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type=None if linear is not None else "logits",
+                                            **model_kwargs(net.bridge, batch))[:, :-1].float()
+            if linear is None:
+                losses = torch.nn.functional.cross_entropy(out.transpose(1, 2), ids[:, 1:], reduction="none")
+            else:
+                losses = _TokenLosses.apply(out.flatten(0, 1), linear, ids[:, 1:].flatten()).view(ids[:, 1:].shape)
             loss = (losses * (real[:, 1:] & real[:, :-1])).sum()
             grads = torch.autograd.grad(loss, [kept[name] for name in names])
         for name, g in zip(names, grads):
             found[name].append(g.float())
-        del logits, losses, loss, kept
+        del out, losses, loss, kept
     release_freed()  # the last step's activations, freed out of order (a third of the stage's peak otherwise)
     found_by_layer = {}
     for l in range(net.n_layers):
@@ -478,6 +560,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
         names += [f"blocks.{l}.ln{i}.hook_in" for l in range(L - 1) for i in (1, 2)]
     if path == "module":
         names += [name for l in range(L) for name in _module_names(net, l)]
+    linear = plain_unembed(net, sets[0].batch(0, 1)) if gradients else None
     offset = 0
     for clean_set, corrupt_set in zip(sets, corrupted):
         mean = _mean_z(net, clean_set, batch_size, advance) if corrupt_set is None else None
@@ -512,7 +595,7 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
                          dz=dz, norms=norms, calls=calls,
                          hooked=None if path != "module" else {n: cache[n] for l in range(L)
                                                                for n in _module_names(net, l)},
-                         grads=_loss_gradients(net, batch, dz, cache) if gradients else None)
+                         grads=_loss_gradients(net, batch, dz, cache, linear) if gradients else None)
             advance()
         offset += len(clean_set)
 
