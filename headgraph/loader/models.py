@@ -533,14 +533,14 @@ class _LookedUpRows:
         self.embedding, self.stored, self.places, self.padding = embedding, None, None, embedding.padding_idx
 
     def enter(self, module, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
+        ids = args[0] if args else kwargs["input_ids" if "input_ids" in kwargs else "input"]  # bridge's, torch's
         rows, self.places = torch.unique(ids, return_inverse=True)
         self.stored = self.embedding.weight.data
         self.embedding.weight.data, self.embedding.padding_idx = self.stored[rows].float(), None
 
     def look_up(self, module, args, kwargs):
-        """The embedding's ids as places among the rows `enter` took."""
-        return ((self.places, *args[1:]), kwargs) if args else (args, {**kwargs, "input_ids": self.places})
+        """The embedding's ids (torch's `input`) as places among the rows `enter` took."""
+        return ((self.places, *args[1:]), kwargs) if args else (args, {**kwargs, "input": self.places})
 
     def leave(self, module, args, kwargs, output):
         if self.stored is not None:
