@@ -532,10 +532,10 @@ def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, 
 def test_token_losses_by_vocabulary_chunks_equal_cross_entropy_and_its_gradient(dtype, monkeypatch):
     monkeypatch.setattr(causal_network, "VOCAB_ROWS", 7)  # 30 tokens: 5 chunks of a bf16 weight, the last short
     torch.manual_seed(0)
-    linear = torch.nn.Linear(16, 30).to(dtype)  # the gradient passes run it under enable_grad, as here
+    linear = torch.nn.Linear(16, 30).to(dtype)
     hidden = torch.randn(12, 16, requires_grad=True)
     targets, scale = torch.tensor([0, 6, 7, 13, 14, 29, 28, 21, 3, 3, 20, 27]), torch.rand(12)
-    with torch.enable_grad():
+    with torch.enable_grad():  # this module's tests run under no_grad; the gradient passes enable it, as here
         mine = causal_network._TokenLosses.apply(hidden, linear, targets)
         (grad,) = torch.autograd.grad((mine * scale).sum(), hidden)
         again = hidden.detach().requires_grad_()

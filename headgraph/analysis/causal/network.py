@@ -422,19 +422,17 @@ VOCAB_ROWS = 8192  # unembedding rows upcast at once from a weight held in bf16 
 
 
 def _vocab_chunks(linear: torch.nn.Linear) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
-    """(rows, their weight in float32, their bias) of the unembedding, VOCAB_ROWS rows at a time where its weight is
-    held in another dtype (a streamed checkpoint's forward passes), all at once where it is float32."""
-    weight, bias = linear.weight, linear.bias
-    step = weight.shape[0] if weight.dtype == torch.float32 else VOCAB_ROWS
-    buffer = None
-    for start in range(0, weight.shape[0], step):
-        rows = slice(start, start + step)
-        if weight.dtype == torch.float32:
-            chunk = weight[rows]
-        else:
-            buffer = torch.empty(min(step, weight.shape[0]), weight.shape[1]) if buffer is None else buffer
-            chunk = buffer[:len(weight[rows])].copy_(weight[rows])
-        yield rows, chunk, None if bias is None else bias[rows].float()
+    """(rows, their weight in float32, their bias) of the unembedding: all at once where its weight is float32,
+    VOCAB_ROWS rows at a time, upcast into one buffer, where it is held in another dtype (a streamed checkpoint)."""
+    weight, bias = linear.weight, None if linear.bias is None else linear.bias.float()
+    if weight.dtype == torch.float32:
+        yield slice(0, len(weight)), weight, bias
+        return
+    buffer = torch.empty(min(VOCAB_ROWS, len(weight)), weight.shape[1], device=weight.device)
+    for start in range(0, len(weight), VOCAB_ROWS):
+        rows = slice(start, start + VOCAB_ROWS)
+        part = weight[rows]
+        yield rows, buffer[:len(part)].copy_(part), None if bias is None else bias[rows]
 
 
 def unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
