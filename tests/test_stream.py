@@ -212,9 +212,10 @@ def test_fresh_memory_is_advised_for_huge_pages_and_keeps_its_values():
 
 
 def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monkeypatch):
-    """Each weight matrix of a bf16 checkpoint upcast for a pass outside the pool of small copies (every one here,
-    the pool's size set to 0: the blocks', the patterns' pass stopping before the unembedding) is allocated in huge
-    pages, and the patterns stay the float32 model's bit for bit."""
+    """Each weight matrix of a bf16 checkpoint upcast whole for a pass outside the pool of small copies (every one
+    here, the pool's size set to 0: GPT-2's Conv1D matrices, which are not torch Linears, and its position
+    embedding; the patterns' pass stopping before the unembedding) is allocated in huge pages, and the patterns stay
+    the float32 model's bit for bit."""
     from headgraph.analysis import heap
     from headgraph.analysis.patterns import capture_patterns
     from headgraph.analysis.roles import input_set, input_set_names
@@ -225,15 +226,77 @@ def test_the_float32_copies_not_pooled_are_advised_for_huge_pages(tmp_path, monk
     monkeypatch.setattr(models, "_POOLED_BYTES", 0)
     monkeypatch.setattr(heap, "MAPPED_BYTES", 0)  # each copy taken for a mapping of its own
     monkeypatch.setattr(heap, "huge_pages_for", lambda t: advised.append(tuple(t.shape)) or t)
-    folder = as_bf16(save_family("llama", tmp_path / "llama"))
+    folder = as_bf16(save_family("gpt2", tmp_path / "gpt2"))
     streamed = open_model(folder, device="cpu")
     float32 = load_model(folder, processing="raw", device="cpu")
     inputs = input_set(float32, input_set_names(True)[0], 6, 0)
     with streamed.patterns_only() as model:
         patterns = capture_patterns(model.bridge, inputs)
-        matrices = sorted(tuple(p.shape) for p in model.bridge.blocks.parameters() if p.dtype == torch.bfloat16)
-    assert len(matrices) > 10 and sorted(advised) == matrices
+        token = model.bridge.embed.original_component  # its rows looked up, not copied whole
+        matrices = sorted(tuple(p.shape) for m in model.bridge.modules() if type(m) is not torch.nn.Linear and
+                          m is not token for p in m._parameters.values() if p is not None and p.dtype == torch.bfloat16)
+    assert len(matrices) == 9 and sorted(advised) == matrices  # 2 x (fused QKV, W_O, MLP's two), position embedding
     assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+
+
+def test_a_linears_bf16_weight_is_multiplied_by_chunks_of_rows_both_ways(tmp_path, monkeypatch):
+    """A bf16 Llama's Linears (every block matrix, and the unembedding) are never upcast whole: their rows are
+    upcast 5 at a time into one buffer per width, forward and backward (`_StoredLinear`). While a module runs, its
+    weights read as float32 (the bridge casts the attention's output to W_O's dtype); after, they are the stored
+    bf16 tensors again. Patterns and logits equal the float32 model's bit for bit, the gradient of the loss at
+    every layer's z to float32 rounding (its sums over a matrix's rows are taken by chunks)."""
+    from headgraph.analysis import heap
+    from headgraph.analysis.patterns import capture_patterns
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.loader import models
+    from headgraph.testing.families import save_family
+
+    whole, chunked, dtypes, real = [], [], [], models.float32_rows
+    monkeypatch.setattr(heap, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # 5 rows of the MLP's [64, 128] down matrix at once
+    monkeypatch.setattr(models, "_float32", lambda stored: whole.append(tuple(stored.shape)) or stored.float())
+    monkeypatch.setattr(models, "float32_rows", lambda weight, buffer: chunked.append(
+        (tuple(weight.shape), tuple(buffer.shape))) or real(weight, buffer))
+    folder = as_bf16(save_family("llama", tmp_path / "llama"))
+    streamed = open_model(folder, device="cpu")
+    float32 = load_model(folder, processing="raw", device="cpu")
+    inputs = input_set(float32, input_set_names(True)[0], 6, 0)
+    ids, mask = inputs.input_ids, inputs.attention_mask
+    names = [f"blocks.{layer}.attn.hook_z" for layer in range(float32.bridge.cfg.n_layers)]
+
+    def gradients(bridge):
+        kept = {}
+
+        def keep(name):
+            def hook(value, hook):
+                kept[name] = value.detach().requires_grad_()
+                return kept[name]
+            return hook
+
+        with torch.enable_grad():
+            loss = bridge.run_with_hooks(ids, return_type="loss", attention_mask=mask,
+                                         fwd_hooks=[(name, keep(name)) for name in names])
+            return torch.autograd.grad(loss, [kept[name] for name in names])
+
+    with streamed.patterns_only() as model:
+        bridge = model.bridge
+        o_proj = bridge.blocks[0].attn.o.original_component
+        stored = {name: (p.data_ptr(), p.dtype) for name, p in bridge.named_parameters() if p.dim() == 2}
+        handle = o_proj.register_forward_hook(lambda m, a, o: dtypes.append(m.weight.dtype))  # its attention runs
+        patterns = capture_patterns(bridge, inputs)
+        with torch.no_grad():
+            logits = bridge(ids, attention_mask=mask)
+        grads = gradients(bridge)
+        handle.remove()
+        assert {name: (p.data_ptr(), p.dtype) for name, p in bridge.named_parameters() if p.dim() == 2} == stored
+        linears = {tuple(m.weight.shape) for m in bridge.modules() if type(m) is torch.nn.Linear}
+    assert set(dtype for _, dtype in stored.values()) == {torch.bfloat16} and set(dtypes) == {torch.float32}
+    assert whole == [] and {shape for shape, _ in chunked} == linears and (512, 64) in linears  # the unembedding's
+    assert {buffer for _, buffer in chunked} == {(10, 64), (5, 128)}  # one per width, ROW_CHUNK_BYTES each
+    assert torch.equal(patterns, capture_patterns(float32.bridge, inputs))
+    with torch.no_grad():
+        assert torch.equal(logits, float32.bridge(ids, attention_mask=mask))
+    for mine, expected in zip(grads, gradients(float32.bridge), strict=True):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_the_token_embedding_is_upcast_only_in_the_rows_a_pass_looks_up(tmp_path):

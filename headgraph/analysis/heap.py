@@ -9,12 +9,16 @@ and only in a heap that has not grown yet: glibc serves an allocation from its f
 
 Fresh memory asked for huge pages (`huge_pages_for`): a tensor larger than that threshold is a new mapping, and its
 first write faults it in a 4 KiB page at a time.
+
+A matrix held in bf16 and multiplied in float32 is upcast a chunk of rows at a time into one buffer
+(`float32_rows`), never whole: no float32 copy of it is made, and each chunk is read from cache by its product.
 """
 
 import ctypes
 import ctypes.util
 import functools
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
 _MADV_HUGEPAGE = 14  # Linux
 _PAGE = 4096
 MAPPED_BYTES = 32 * 2**20  # glibc's largest mmap threshold: a larger allocation is always a mapping of its own
+ROW_CHUNK_BYTES = 8 * 2**20  # float32 rows of a stored matrix upcast at once (`row_buffer`)
 
 
 @functools.cache
@@ -78,3 +83,23 @@ def mapped(tensor: "torch.Tensor") -> "torch.Tensor":
 def empty_mapped(like: "torch.Tensor", *size: int) -> "torch.Tensor":
     """like.new_empty(size), `mapped`."""
     return mapped(like.new_empty(size))
+
+
+def row_buffer(weight: "torch.Tensor") -> "torch.Tensor":
+    """A float32 buffer [rows, weight's columns] of about ROW_CHUNK_BYTES (at most the weight's rows) on the weight's
+    device, for `float32_rows`."""
+    import torch
+
+    rows = min(len(weight), max(1, ROW_CHUNK_BYTES // (4 * weight.shape[1])))
+    return torch.empty(rows, weight.shape[1], device=weight.device)
+
+
+def float32_rows(weight: "torch.Tensor", buffer: "torch.Tensor") -> "Iterator[tuple[slice, torch.Tensor]]":
+    """(rows, weight[rows] in float32) over the first dimension of a matrix, len(buffer) rows at a time upcast into
+    `buffer` (`row_buffer`): each chunk is valid until the next is drawn. Products by chunks of 8 MiB ran 13-35 %
+    faster than the same products after a float32 copy of the whole matrix into new memory (TinyLlama's and
+    Llama-3-8B's MLP matrices times 80 or 164 rows, forward and backward), and at most 26 % slower than on float32
+    weights held whole."""
+    for start in range(0, len(weight), len(buffer)):
+        part = weight[start:start + len(buffer)]
+        yield slice(start, start + len(part)), buffer[:len(part)].copy_(part)

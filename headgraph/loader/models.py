@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from headgraph.analysis.heap import MAPPED_BYTES, mapped
+from headgraph.analysis.heap import MAPPED_BYTES, float32_rows, mapped, row_buffer
 from headgraph.errors import BadWeights, ModelUnavailable, UsageError, check_choice, first_line
 from headgraph.heads import Processing
 
@@ -470,11 +470,28 @@ class _Upcasts:
     allocated per call, mapped and unmapped, in huge pages (`huge_pages_for`: a forward pass of the 1.1B shape on
     80 tokens took 2.39 s with 4 KiB pages, 1.45 s so advised, 0.86 s on float32 weights held whole). As
     saved-tensor hooks, a matrix autograd keeps for the backward pass is kept as its stored tensor and upcast again
-    when the backward pass reads it, so a gradient pass holds no block's float32 copy beyond its module's run."""
+    when the backward pass reads it, so a gradient pass holds no block's float32 copy beyond its module's run.
+    The weight of a torch Linear is not copied: the Linear multiplies its stored weight by chunks of rows
+    (`_StoredLinear`), and while a module holding it runs, a float32 stand-in of no memory takes its place for code
+    that reads its dtype (the bridge casts the attention's output to W_O's). Every value of the stand-in is NaN:
+    code that read the weight's values there (none of headgraph's passes) would get NaN, not another number."""
 
     def __init__(self):
         self.live: dict[int, torch.Tensor] = {}
         self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.by_rows: set[int] = set()  # the weights of torch Linears, multiplied by chunks (`_StoredLinear`)
+        self.stored: dict[int, torch.Tensor] = {}  # theirs while their module runs, a stand-in in their place
+        self.buffers: dict[tuple, torch.Tensor] = {}  # the chunks' buffers, one per width and device
+
+    def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a torch Linear whose weight is held in another dtype: `_StoredLinear`."""
+        weight = self.stored.get(id(module.weight), module.weight.data)
+        if weight.dtype == torch.float32:
+            return torch.nn.functional.linear(x, weight, module.bias)
+        key = (weight.shape[1], weight.device)
+        if key not in self.buffers:
+            self.buffers[key] = row_buffer(weight)
+        return _StoredLinear.apply(x, weight, module.bias, self.buffers[key])
 
     def pack(self, tensor: torch.Tensor):
         stored = self.live.get(tensor.untyped_storage().data_ptr()) if tensor.dtype == torch.float32 else None
@@ -493,11 +510,16 @@ class _Upcasts:
         """Upcast the matrices of `module` that are not float32 already (a block's, or its attention's when the
         attention runs alone), and route what autograd saves through `pack` while it runs."""
         for p in module.parameters():
-            if p.dtype != torch.float32:
-                key = (p.shape, p.stride())
-                held[p] = p.data
-                p.data = self.free[key].pop().copy_(p.data) if self.free.get(key) else _float32(p.data)
-                self.live[p.data.untyped_storage().data_ptr()] = held[p]
+            if p.dtype == torch.float32:
+                continue
+            held[p] = p.data
+            if id(p) in self.by_rows:  # a float32 stand-in of no memory, every value NaN: code that reads its dtype
+                self.stored[id(p)] = p.data  # (the bridge casts attention outputs to W_O's) sees float32
+                p.data = torch.full((), float("nan"), device=p.device).expand(p.shape)
+                continue
+            key = (p.shape, p.stride())
+            p.data = self.free[key].pop().copy_(p.data) if self.free.get(key) else _float32(p.data)
+            self.live[p.data.untyped_storage().data_ptr()] = held[p]
         if held:
             held[None] = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             held[None].__enter__()
@@ -509,11 +531,42 @@ class _Upcasts:
             hooks.__exit__(None, None, None)
         for p, data in held.items():
             copy = p.data
+            if self.stored.pop(id(p), None) is not None:
+                p.data = data
+                continue
             self.live.pop(copy.untyped_storage().data_ptr(), None)
             if copy.numel() * 4 <= _POOLED_BYTES:  # pooled under the stored tensor's layout, as `enter` looks it up
                 self.free.setdefault((data.shape, data.stride()), []).append(copy)
             p.data = data
         held.clear()
+
+
+class _StoredLinear(torch.autograd.Function):
+    """x Wᵀ + b of a torch Linear whose weight W is held in another dtype than float32 (a streamed bf16 checkpoint),
+    in float32, W upcast by chunks of rows into a buffer (`float32_rows`) both ways: no float32 copy of W is made,
+    and the backward pass, which gives x its gradient only (a stored weight takes none), upcasts it again by chunks.
+    Each output is the dot product of x with a row of W made float32, as with W upcast whole; the gradient's sums
+    over W's rows are taken chunk after chunk."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                buffer: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.new_empty(len(flat), len(weight))
+        for rows, part in float32_rows(weight, buffer):
+            if bias is None:
+                torch.mm(flat, part.T, out=out[:, rows])
+            else:
+                torch.addmm(bias[rows], flat, part.T, out=out[:, rows])
+        ctx.weight, ctx.buffer = weight, buffer
+        return out.view(*x.shape[:-1], len(weight))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, out = grad.reshape(-1, grad.shape[-1]), None
+        for rows, part in float32_rows(ctx.weight, ctx.buffer):
+            out = flat[:, rows] @ part if out is None else out.addmm_(flat[:, rows], part)
+        return out.view(*grad.shape[:-1], out.shape[-1]), None, None, None
 
 
 def _float32(stored: torch.Tensor) -> torch.Tensor:
@@ -563,7 +616,9 @@ def run_blocks_in_float32(bridge) -> None:
     and hook each block, each block's attention and each module outside the blocks that holds a matrix
     (embeddings, unembedding) so that their matrices are float32 while they run and their stored tensors are put
     back after: the model then holds at most one block in float32 besides its stored weights, also through a
-    backward pass (`_Upcasts`); the token embedding holds only the rows a pass looks up (`_LookedUpRows`)."""
+    backward pass (`_Upcasts`); torch Linears upcast their weights by chunks of rows instead, forward and backward
+    (`_StoredLinear`; a Llama-family block holds no float32 copy of a matrix), and the token embedding holds only
+    the rows a pass looks up (`_LookedUpRows`)."""
     inside = {id(m) for block in bridge.blocks for m in block.modules()}
     wrapper = {id(getattr(m, "original_component", None)): m for m in bridge.modules()}  # the bridge's component
     outside = [wrapper.get(id(m), m) for m in bridge.modules()  # (it reads the dtype its output is cast to)
@@ -586,6 +641,13 @@ def run_blocks_in_float32(bridge) -> None:
         wrapper.register_forward_pre_hook(rows.enter, with_kwargs=True)
         embedding.register_forward_pre_hook(rows.look_up, with_kwargs=True)
         wrapper.register_forward_hook(rows.leave, with_kwargs=True, always_call=True)
+    others = {id(p) for m in bridge.modules() if type(m) is not torch.nn.Linear for p in m._parameters.values()}
+    for linear in bridge.modules():  # torch's own Linear (a subclass may compute otherwise), its weight its own
+        if (type(linear) is torch.nn.Linear and linear.weight.dtype != torch.float32  # (GPT-2's unembedding is
+                and id(linear.weight) not in others):  # its token embedding, which reads rows of it)
+            linear.weight.requires_grad_(False)  # its gradient is never asked for, and `_StoredLinear` gives none
+            upcasts.by_rows.add(id(linear.weight))
+            linear.forward = partial(upcasts.linear, linear)
     for module in blocks + outside:
         held: dict = {}
         module.register_forward_pre_hook(partial(upcasts.enter, held=held))

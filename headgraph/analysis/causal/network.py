@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from headgraph.analysis.heap import release_freed
+from headgraph.analysis.heap import float32_rows, release_freed, row_buffer
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
@@ -418,21 +418,16 @@ def plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
     return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
 
 
-VOCAB_ROWS = 8192  # unembedding rows upcast at once from a weight held in bf16 or float16
-
-
 def _vocab_chunks(linear: torch.nn.Linear) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
-    """(rows, their weight in float32, their bias) of the unembedding: all at once where its weight is float32,
-    VOCAB_ROWS rows at a time, upcast into one buffer, where it is held in another dtype (a streamed checkpoint)."""
+    """(rows, their weight in float32, their bias) of the unembedding: all at once where its weight is float32, by
+    chunks of rows upcast into one buffer (`float32_rows`) where it is held in another dtype (a streamed
+    checkpoint)."""
     weight, bias = linear.weight, None if linear.bias is None else linear.bias.float()
     if weight.dtype == torch.float32:
         yield slice(0, len(weight)), weight, bias
         return
-    buffer = torch.empty(min(VOCAB_ROWS, len(weight)), weight.shape[1], device=weight.device)
-    for start in range(0, len(weight), VOCAB_ROWS):
-        rows = slice(start, start + VOCAB_ROWS)
-        part = weight[rows]
-        yield rows, buffer[:len(part)].copy_(part), None if bias is None else bias[rows]
+    for rows, part in float32_rows(weight, row_buffer(weight)):
+        yield rows, part, None if bias is None else bias[rows]
 
 
 def unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
