@@ -144,3 +144,23 @@ def test_a_v_edges_attribution_is_its_definition_computed_with_transformerlens(m
         assert row.effect_attr == pytest.approx(total / predicted, rel=1e-3, abs=1e-7)
         checked += 1
     assert checked == 16
+
+
+def test_agreement_is_spearmans_rho_per_type_and_undefined_where_the_exact_effects_are_constant():
+    """The ranks [1, 2, 3, 4] against [1, 3, 2, 4]: rho = 1 - 6 (1 + 1) / (4 (16 - 1)) = 0.8, the bar itself; exact
+    effects all 0 (a random-init model's edges can move the loss by nothing) rank nothing: no rho, not reliable,
+    and no warning from scipy about a constant input."""
+    import warnings
+
+    import pandas as pd
+
+    from headgraph.analysis.causal.stage import agreement
+
+    checked = pd.DataFrame({"source_type": "O", "target_type": ["K"] * 4 + ["V"] * 4,
+                            "effect_attr": [0.1, 0.2, 0.3, 0.4] * 2, "effect_loss": [0.0] * 4 + [0.1, 0.3, 0.2, 0.4]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = agreement(checked)
+    assert found["OK"]["spearman"] is None and found["OK"]["reliable"] is False and found["OK"]["edges"] == 4
+    assert found["OV"]["spearman"] == 0.8 and found["OV"]["reliable"] is True
+    assert found["OV"]["sign_agreement"] == 1.0 and found["OV"]["max_abs_error"] == pytest.approx(0.1)

@@ -39,7 +39,9 @@ class Comparison:
     roles: list[dict]
 
 
-def _spearman(a: pd.Series, b: pd.Series) -> float | None:
+def spearman(a: pd.Series, b: pd.Series) -> float | None:
+    """Spearman's rho of the rows where both are defined; None where it is not (fewer than 3 such rows, or one
+    side constant: no ranking to correlate)."""
     both = a.notna() & b.notna()
     if both.sum() < 3 or a[both].nunique() < 2 or b[both].nunique() < 2:
         return None
@@ -58,8 +60,8 @@ def compare_variant(pairs: pd.DataFrame, other: pd.DataFrame, heads: pd.DataFram
         mine = {k for k in kept["run"] if k[2] + k[3] == kind}
         theirs = {k for k in kept["other"] if k[2] + k[3] == kind}
         union = mine | theirs
-        row = {"type": kind, "pairs": len(part), "pk_spearman": _spearman(part["pk"], part["pk_other"]),
-               "effect_spearman": _spearman(part["effect"], part["effect_other"]) if "effect" in part and
+        row = {"type": kind, "pairs": len(part), "pk_spearman": spearman(part["pk"], part["pk_other"]),
+               "effect_spearman": spearman(part["effect"], part["effect_other"]) if "effect" in part and
                "effect_other" in part else None,
                "jaccard": len(mine & theirs) / len(union) if union else None, "edges_only_run": len(mine - theirs),
                "edges_only_variant": len(theirs - mine)}

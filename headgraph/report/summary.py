@@ -137,7 +137,7 @@ def print_summary(data: dict, console: Console) -> None:
         console.print(table)
         if causal["agreement"]:
             console.print("attribution vs exact loss effect, Spearman rho (edges): " + ", ".join(
-                f"{kind} {a['spearman']:.2f} ({a['edges']})" for kind, a in causal["agreement"].items()))
+                f"{kind} {_num(a['spearman'])} ({a['edges']})" for kind, a in causal["agreement"].items()))
     console.print(f"artifacts: {data['folder']}")
     console.print(f"store: {data['store'] or 'not stored (--no-store)'}")
     for name, path in data["report"].items():

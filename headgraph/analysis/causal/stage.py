@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import CONFIDENCE
@@ -17,6 +16,7 @@ from headgraph.analysis.causal.loss import loss_effects
 from headgraph.analysis.causal.network import ATTRIBUTION_STEPS
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.prompts import TokenInputs
+from headgraph.analysis.stability import spearman
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
 
@@ -147,16 +147,18 @@ def agreement_sample(pairs: pd.DataFrame, chosen: pd.DataFrame, seed: int) -> pd
 def agreement(checked: pd.DataFrame) -> dict[str, dict[str, float]]:
     """How far attribution agrees with exact patching on the edges both measured, per type: Spearman rho,
     the share of edges whose signs agree, the median and largest absolute error in nats, the number of edges,
-    and `reliable` (rho >= AGREEMENT_RHO). Types with fewer than 3 such edges are left out."""
+    and `reliable` (rho >= AGREEMENT_RHO). Types with fewer than 3 such edges are left out; rho is None where one
+    side is constant (a random-init model's exact effects can all be 0), and such a type is not reliable."""
     both = checked.dropna(subset=["effect_attr", "effect_loss"])
     found = {}
     for kind, part in both.groupby(both["source_type"] + both["target_type"]):
         if len(part) < 3:
             continue
         error = (part["effect_attr"] - part["effect_loss"]).abs()
-        rho = round(float(stats.spearmanr(part["effect_attr"], part["effect_loss"]).statistic), 12)  # 0.8 is 0.8
+        rho = spearman(part["effect_attr"], part["effect_loss"])
+        rho = None if rho is None else round(rho, 12)  # 0.8 is 0.8
         found[kind] = {"edges": len(part), "spearman": rho,
                        "sign_agreement": float((np.sign(part["effect_attr"]) == np.sign(part["effect_loss"])).mean()),
                        "median_abs_error": float(error.median()), "max_abs_error": float(error.max()),
-                       "reliable": bool(rho >= AGREEMENT_RHO)}
+                       "reliable": rho is not None and rho >= AGREEMENT_RHO}
     return found
