@@ -39,7 +39,8 @@ def test_every_family_streams_the_loaded_models_weights_or_loads_whole(family_di
 @pytest.mark.slow
 def test_every_familys_effects_from_its_stored_bf16_weights_equal_the_processed_models(family_dirs, tmp_path):
     """The causal effects of a streamed bf16 checkpoint run on its raw weights, held in bf16 (each block's matrices
-    upcast while it runs, and again for the backward pass of attribution), with TransformerLens' processing applied
+    upcast while it runs, a torch Linear's by chunks of rows, and again for the backward pass of attribution; a
+    family that read a Linear's weight values in its module would get NaN), with TransformerLens' processing applied
     only to what the effects read of it (headgraph.analysis.causal.network.processed_outputs): the local effects and
     attributions of every OQ/OK/OV pair equal those of the same checkpoint loaded in float32 and processed. Without
     that view the V effects of the LayerNorm families and of Qwen2 (value biases) differ by far more."""
