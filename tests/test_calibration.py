@@ -47,6 +47,23 @@ def test_measured_once_then_cached_in_the_process_and_in_the_file(cache_dir):
 
 
 @pytest.mark.slow
+def test_processes_started_together_take_turns_and_one_measures(cache_dir):
+    """Four processes released at once (each waits for a file, torch imported before) need the same missing key:
+    one measures, the other three wait on the lock and read its rates from the file, so all four plan alike."""
+    go = cache_dir / "go"
+    wait = f"import pathlib, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
+    probe = PROBE.replace("r = calibration", "\n" + wait + "r = calibration").replace("; from headgraph", "\nfrom headgraph")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = [subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True, env=env)
+               for _ in range(4)]
+    time.sleep(5)  # every process has imported torch and polls
+    go.touch()
+    found = [tuple(json.loads(p.communicate(timeout=120)[0])) for p in started]
+    assert sorted(source for source, _ in found) == ["cache file"] * 3 + ["measured"]
+    assert len({gram for _, gram in found}) == 1
+
+
+@pytest.mark.slow
 def test_invalidation_measures_again(cache_dir, monkeypatch):
     calibration.rates("cpu", torch.float64, 32, 8)
     monkeypatch.setenv(calibration.RECALIBRATE_ENV, "1")

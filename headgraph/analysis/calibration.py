@@ -9,17 +9,23 @@ torch version, CPU thread count and the calibration's own version, so a changed 
 afresh.
 
 Invalidate: delete the file, call `clear()`, or set HEADGRAPH_RECALIBRATE=1 (measure again and overwrite).
-The file is `pk-calibration.json` in HEADGRAPH_CACHE_DIR (default ~/.cache/headgraph).
+The file is `pk-calibration.json` in HEADGRAPH_CACHE_DIR (default ~/.cache/headgraph). Processes that need a
+key the file lacks take turns on a lock beside it: the first measures, alone, and the others read what it wrote.
+So the workers of a sweep started together plan from one measurement, not each from its own taken under the
+others' load (plans that differ give PK and p-values that differ in their last bits).
 
 A rate is a speed at the calibration's tile sizes, not a promise for every tile: thin tiles of the
 memory-bound projector GEMM run slower, and a busy machine measures slow.
 """
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -157,9 +163,35 @@ def measure(device: torch.device, dtype: torch.dtype, d: int, k: int) -> dict[st
     return {kernel: flops[kernel] / seconds[kernel] for kernel in KERNELS}
 
 
+def _stored(key: str) -> "Rates | None":
+    """The cache file's rates for `key`, or None (absent or malformed)."""
+    stored = _read_file().get(key)
+    if not isinstance(stored, dict) or not all(isinstance(stored.get(kn), (int, float)) and stored[kn] > 0
+                                               for kn in KERNELS):
+        return None
+    return Rates(**{kn: float(stored[kn]) for kn in KERNELS}, key=key, measured=str(stored.get("measured", "")),
+                 source="cache file")
+
+
+@contextlib.contextmanager
+def _measuring() -> Iterator[None]:
+    """This machine's turn to measure: an exclusive lock on pk-calibration.lock beside the cache file, held while
+    inside (none where it cannot be opened: an unwritable cache folder)."""
+    try:
+        path = cache_path().with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def rates(device: torch.device | str, dtype: torch.dtype, d: int, k: int) -> Rates:
     """The kernels' FLOP/s for this (device, dtype, d, k): this process's cache, else the cache file, else
-    measured now (and cached). HEADGRAPH_RECALIBRATE=1 measures again.
+    measured now (and cached), by one process at a time (`_measuring`). HEADGRAPH_RECALIBRATE=1 measures again.
 
     >>> r = rates("cpu", torch.float64, 16, 4)
     >>> r.source in ("measured", "process cache", "cache file") and r.projector_tile > 0
@@ -167,20 +199,18 @@ def rates(device: torch.device | str, dtype: torch.dtype, d: int, k: int) -> Rat
     """
     device = torch.device(device)
     key = cache_key(device, dtype, d, k)
-    if os.environ.get(RECALIBRATE_ENV, "") not in ("", "0"):
+    again = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
+    if again:
         _MEMORY.pop(key, None)
     elif key in _MEMORY:
         return Rates(**{**asdict(_MEMORY[key]), "source": "process cache"})
-    else:
-        stored = _read_file().get(key)
-        if isinstance(stored, dict) and all(isinstance(stored.get(kn), (int, float)) and stored[kn] > 0
-                                            for kn in KERNELS):
-            found = Rates(**{kn: float(stored[kn]) for kn in KERNELS}, key=key,
-                          measured=str(stored.get("measured", "")), source="cache file")
-            _MEMORY[key] = found
-            return found
-    found = Rates(**measure(device, dtype, d, k), key=key,
-                  measured=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured")
+    found = None if again else _stored(key)
+    if found is None:
+        with _measuring():
+            found = None if again else _stored(key)  # written by the process that measured while this one waited
+            if found is None:
+                found = Rates(**measure(device, dtype, d, k), key=key,
+                              measured=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured")
+                _write_file(key, found)
     _MEMORY[key] = found
-    _write_file(key, found)
     return found
