@@ -52,7 +52,7 @@ def test_processes_started_together_take_turns_and_one_measures(cache_dir):
     one measures, the other three wait on the lock and read its rates from the file, so all four plan alike."""
     go = cache_dir / "go"
     wait = f"import pathlib, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
-    probe = PROBE.replace("r = calibration", "\n" + wait + "r = calibration").replace("; from headgraph", "\nfrom headgraph")
+    probe = PROBE.replace("; from headgraph", "\nfrom headgraph").replace("; r = ", "\n" + wait + "r = ")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = [subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True, env=env)
                for _ in range(4)]
