@@ -251,10 +251,10 @@ def test_a_linears_bf16_weight_is_multiplied_by_chunks_of_rows_both_ways(tmp_pat
     from headgraph.loader import models
     from headgraph.testing.families import save_family
 
-    whole, chunked, dtypes, real = [], [], [], models.float32_rows
+    whole, chunked, dtypes, real = [], [], [], heap.float32_rows
     monkeypatch.setattr(heap, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # 5 rows of the MLP's [64, 128] down matrix at once
     monkeypatch.setattr(models, "_float32", lambda stored: whole.append(tuple(stored.shape)) or stored.float())
-    monkeypatch.setattr(models, "float32_rows", lambda weight, buffer: chunked.append(
+    monkeypatch.setattr(heap, "float32_rows", lambda weight, buffer: chunked.append(
         (tuple(weight.shape), tuple(buffer.shape))) or real(weight, buffer))
     folder = as_bf16(save_family("llama", tmp_path / "llama"))
     streamed = open_model(folder, device="cpu")

@@ -94,12 +94,42 @@ def row_buffer(weight: "torch.Tensor") -> "torch.Tensor":
     return torch.empty(rows, weight.shape[1], device=weight.device)
 
 
-def float32_rows(weight: "torch.Tensor", buffer: "torch.Tensor") -> "Iterator[tuple[slice, torch.Tensor]]":
-    """(rows, weight[rows] in float32) over the first dimension of a matrix, len(buffer) rows at a time upcast into
-    `buffer` (`row_buffer`): each chunk is valid until the next is drawn. Products by chunks of 8 MiB ran 13-35 %
-    faster than the same products after a float32 copy of the whole matrix into new memory (TinyLlama's and
-    Llama-3-8B's MLP matrices times 80 or 164 rows, forward and backward), and at most 26 % slower than on float32
-    weights held whole."""
+def float32_rows(weight: "torch.Tensor", buffer: "torch.Tensor | None" = None
+                 ) -> "Iterator[tuple[slice, torch.Tensor]]":
+    """(rows, weight[rows] in float32) over the first dimension of a matrix: the whole of a float32 one; else
+    len(buffer) rows at a time upcast into `buffer` (`row_buffer(weight)` if None), each chunk valid until the next
+    is drawn. Products by chunks of 8 MiB ran 13-35 % faster than the same products after a float32 copy of the
+    whole matrix into new memory (TinyLlama's and Llama-3-8B's MLP matrices times 80 or 164 rows, forward and
+    backward), and at most 26 % slower than on float32 weights held whole."""
+    import torch
+
+    if weight.dtype == torch.float32:
+        yield slice(0, len(weight)), weight
+        return
+    buffer = row_buffer(weight) if buffer is None else buffer
     for start in range(0, len(weight), len(buffer)):
         part = weight[start:start + len(buffer)]
         yield slice(start, start + len(part)), buffer[:len(part)].copy_(part)
+
+
+def rows_product(x: "torch.Tensor", weight: "torch.Tensor", bias: "torch.Tensor | None", out: "torch.Tensor",
+                 buffer: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """x Wᵀ + b [n, W's rows] into `out`, in float32, W by `float32_rows` (bias: float32, or None)."""
+    import torch
+
+    for rows, part in float32_rows(weight, buffer):
+        if bias is None:
+            torch.mm(x, part.T, out=out[:, rows])
+        else:
+            torch.addmm(bias[rows], x, part.T, out=out[:, rows])
+    return out
+
+
+def rows_gradient(grad: "torch.Tensor", weight: "torch.Tensor", buffer: "torch.Tensor | None" = None
+                  ) -> "torch.Tensor":
+    """grad W [n, W's columns]: the gradient of x of `rows_product` given its output's, in float32, summed over
+    W's rows chunk after chunk (`float32_rows`)."""
+    out = None
+    for rows, part in float32_rows(weight, buffer):
+        out = grad[:, rows] @ part if out is None else out.addmm_(grad[:, rows], part)
+    return out

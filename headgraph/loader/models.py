@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from headgraph.analysis.heap import MAPPED_BYTES, float32_rows, mapped, row_buffer
+from headgraph.analysis.heap import MAPPED_BYTES, mapped, row_buffer, rows_gradient, rows_product
 from headgraph.errors import BadWeights, ModelUnavailable, UsageError, check_choice, first_line
 from headgraph.heads import Processing
 
@@ -543,8 +543,9 @@ class _Upcasts:
 
 class _StoredLinear(torch.autograd.Function):
     """x Wᵀ + b of a torch Linear whose weight W is held in another dtype than float32 (a streamed bf16 checkpoint),
-    in float32, W upcast by chunks of rows into a buffer (`float32_rows`) both ways: no float32 copy of W is made,
-    and the backward pass, which gives x its gradient only (a stored weight takes none), upcasts it again by chunks.
+    in float32, W upcast by chunks of rows into a buffer both ways (`rows_product`, `rows_gradient`): no float32
+    copy of W is made, and the backward pass, which gives x its gradient only (a stored weight takes none), upcasts
+    it again by chunks.
     Each output is the dot product of x with a row of W made float32, as with W upcast whole; the gradient's sums
     over W's rows are taken chunk after chunk."""
 
@@ -552,20 +553,13 @@ class _StoredLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 buffer: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = flat.new_empty(len(flat), len(weight))
-        for rows, part in float32_rows(weight, buffer):
-            if bias is None:
-                torch.mm(flat, part.T, out=out[:, rows])
-            else:
-                torch.addmm(bias[rows], flat, part.T, out=out[:, rows])
+        out = rows_product(flat, weight, bias, flat.new_empty(len(flat), len(weight)), buffer)
         ctx.weight, ctx.buffer = weight, buffer
         return out.view(*x.shape[:-1], len(weight))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        flat, out = grad.reshape(-1, grad.shape[-1]), None
-        for rows, part in float32_rows(ctx.weight, ctx.buffer):
-            out = flat[:, rows] @ part if out is None else out.addmm_(flat[:, rows], part)
+        out = rows_gradient(grad.reshape(-1, grad.shape[-1]), ctx.weight, ctx.buffer)
         return out.view(*grad.shape[:-1], out.shape[-1]), None, None, None
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from headgraph.analysis.heap import float32_rows, release_freed, row_buffer
+from headgraph.analysis.heap import release_freed, rows_gradient, rows_product
 from headgraph.analysis.options import CausalOptions
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
 from headgraph.analysis.prompts import TokenInputs
@@ -418,33 +418,17 @@ def plain_unembed(net: Net, probe: TokenInputs) -> torch.nn.Linear | None:
     return linear if torch.allclose(mine, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max())) else None
 
 
-def _vocab_chunks(linear: torch.nn.Linear) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
-    """(rows, their weight in float32, their bias) of the unembedding: all at once where its weight is float32, by
-    chunks of rows upcast into one buffer (`float32_rows`) where it is held in another dtype (a streamed
-    checkpoint)."""
-    weight, bias = linear.weight, None if linear.bias is None else linear.bias.float()
-    if weight.dtype == torch.float32:
-        yield slice(0, len(weight)), weight, bias
-        return
-    for rows, part in float32_rows(weight, row_buffer(weight)):
-        yield rows, part, None if bias is None else bias[rows]
-
-
 def unembed(linear: torch.nn.Linear, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(flat) [rows, V] into `out` in float32, the weight upcast by chunks (`_vocab_chunks`)."""
-    for rows, weight, bias in _vocab_chunks(linear):
-        if bias is None:
-            torch.mm(flat, weight.T, out=out[:, rows])
-        else:
-            torch.addmm(bias, flat, weight.T, out=out[:, rows])
-    return out
+    """linear(flat) [rows, V] into `out` in float32, a weight held in another dtype (a streamed checkpoint) upcast
+    by chunks of rows (`rows_product`)."""
+    return rows_product(flat, linear.weight, None if linear.bias is None else linear.bias.float(), out)
 
 
 class _TokenLosses(torch.autograd.Function):
     """Cross-entropy [N] of hidden states [N, d] with their target tokens [N] through a plain unembedding
-    (`plain_unembed`), whose weight is upcast by chunks both ways (`_vocab_chunks`): a float32 copy of a bf16
-    unembedding (Llama-3-8B: 2.1 GB) is never made, and the pass keeps one [N, V] tensor, the softmax, for its
-    backward pass (the torch path keeps the logits, their log-softmax and the weight)."""
+    (`plain_unembed`), whose weight is upcast by chunks both ways (`rows_product`, `rows_gradient`): a float32
+    copy of a bf16 unembedding (Llama-3-8B: 2.1 GB) is never made, and the pass keeps one [N, V] tensor, the
+    softmax, for its backward pass (the torch path keeps the logits, their log-softmax and the weight)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, linear: torch.nn.Linear, targets: torch.Tensor) -> torch.Tensor:
@@ -463,10 +447,7 @@ class _TokenLosses(torch.autograd.Function):
         probs, ctx.probs = ctx.probs, None  # softmax minus the targets' one-hot, times the loss's gradient
         probs[torch.arange(len(targets), device=targets.device), targets] -= 1
         probs.mul_(grad[:, None])
-        out = None
-        for rows, weight, _ in _vocab_chunks(ctx.linear):
-            out = probs[:, rows] @ weight if out is None else out.addmm_(probs[:, rows], weight)
-        return out, None, None
+        return rows_gradient(probs, ctx.linear.weight), None, None
 
 
 def stop_pass(hidden, hook):
