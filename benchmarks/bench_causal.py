@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bench_pk import gemm_flops_per_s
+from bench_pk import gemm_flops_per_s, matmul_counter
 
 from headgraph.analysis.causal import causal_inputs, local_effects, loss_effects
 from headgraph.analysis.prompts import repeated_token_inputs
@@ -77,12 +77,10 @@ def bench(name: str, model, n_inputs: int, n_edges: int, n_boot: int) -> float:
 
 
 def attribution_flops(model, inputs, n_boot: int) -> float:
-    """Matmul FLOPs (torch's FlopCounterMode, backward passes included) that attribution adds to local_effects."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """Matmul FLOPs (`matmul_counter`, backward passes included) that attribution adds to local_effects."""
     counted = []
     for attribution in (False, True):
-        with FlopCounterMode(display=False) as counter:
+        with matmul_counter() as counter:
             local_effects(model, inputs, n_boot=n_boot, attribution=attribution)
         counted.append(counter.get_total_flops())
     return float(counted[1] - counted[0])

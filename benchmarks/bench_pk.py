@@ -286,15 +286,25 @@ def analyze_steps(device: str, types: str, folder: Path, work: Path, max_memory:
             "null_flops": run["null_model"]["pass"]["flops"], "run_dir": work / "run"}
 
 
+def matmul_counter():
+    """torch's FlopCounterMode (not displayed), counting the in-place addmm_ as addmm: its table leaves addmm_ out,
+    and the backward of a streamed checkpoint's Linears sums its chunks of rows with it (`heap.rows_gradient`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def addmm_(bias_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):  # the shapes of self, mat1, mat2
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_})
+
+
 def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
-    """Matmul FLOPs (torch's FlopCounterMode, backward passes included) of the stages that run the model, rerun
+    """Matmul FLOPs (`matmul_counter`, backward passes included) of the stages that run the model, rerun
     as the analyze of `run_dir` ran them: the folder opened as analyze opens it (streamed, its forward passes on
     the stored weights), the role tests with the run's settings, the causal local effects of every pair of the
     run's OQ/OK/OV types on the run's inputs, and the loss effects of exactly the edges that have one (read from
     its pairs.parquet) on the run's loss inputs. Default processing, ablation, seed and batch settings, as
     bench_scale and bench_analyze run analyze."""
     import pandas as pd
-    from torch.utils.flop_counter import FlopCounterMode
 
     from headgraph.analysis.causal import PAIR_KEY, CausalStage, loss_effects
     from headgraph.analysis.options import CausalOptions
@@ -327,7 +337,7 @@ def counted_flops(folder: Path, device: str, run_dir: Path) -> dict[str, float]:
                                                        seed=0, batch_size=options.batch_size,
                                                        max_memory=options.max_memory)
     for name, stage_work in work.items():
-        with FlopCounterMode(display=False) as counter:
+        with matmul_counter() as counter:
             stage_work()
         flops[name] = float(counter.get_total_flops())
     return flops
