@@ -121,7 +121,8 @@ def analyze_options(command: Callable) -> Callable:
     @click.option("--dtype", type=click.Choice(get_args(Dtype)), default=PK.dtype, show_default=True)
     @click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
     @click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
-                  help="Working-memory budget of the PK engine's tiles (e.g. 512MB, 8GiB).")
+                  help="Working-memory budget of each stage: the PK engine's tiles, the causal effects' batches and "
+                       "steps (e.g. 512MB, 8GiB).")
     @click.option("--full-matrix", is_flag=True,
                   help="Also compute same-layer and backward pairs (default: earlier -> strictly later layer).")
     @click.option("--null-heads", default=PK.null_heads, show_default=True, type=click.IntRange(min=2),
@@ -164,6 +165,7 @@ def analyze_options(command: Callable) -> Callable:
         role_settings = ({"roles_n_inputs": n_inputs, "roles_correction": correction, "roles_design": role_design}
                          if roles else {})
         causal_settings = {"causal_n_inputs": causal_n, "causal_inputs_file": causal_inputs,
+                           "causal_max_memory": max_memory,
                            "causal_loss_edges": causal_loss_edges,  # 0: no loss effects
                            **({"causal_loss_inputs": causal_loss_inputs} if causal_loss_inputs is not None else {})
                            } if causal else {}

@@ -242,25 +242,29 @@ def test_the_factored_pre_ln_projection_equals_the_layer_norm_recomputed(process
 @pytest.mark.slow
 def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     """Two input sets of different lengths, the longer first, in batches of 4: all four batches one group (each
-    c(W_O) Γ W formed once) with every sender a step; one group of three batches at 2 senders a step, then the last
-    batch alone; and every batch alone at one sender a step. A batch that fills the budget alone is patched in
-    steps sized to the budget, its own bytes on top."""
+    c(W_O) Γ W formed once) with every sender a step; one group of three batches (room to build the third beside
+    the first two, and at least 2 senders a step), then the last batch alone; and every batch alone at one sender a
+    step. A batch that fills the budget alone is patched in steps sized to the budget, its own bytes on top. The
+    effects are the same under each budget, and under 1 byte, where every batch takes one input."""
     from headgraph.analysis.causal import local as causal_local
 
     model = load_model("induction-2l", device="cpu")
     inputs = [repeated_token_inputs(model.tokenizer, 8, seed=3, length=length) for length in (14, 10)]
     net = causal_network.network(model, inputs[0].batch(0, 1))
     lengths = [s.input_ids.shape[1] for s in inputs for _ in range(2)]
-    data = [causal_local._batch_bytes(net, 4, T, gradients=True) for T in lengths]
+    data = [causal_network.batch_bytes(net, 4, T, gradients=True) for T in lengths]
     steps = [causal_local._sender_bytes(net, 4, T) for T in lengths]
-    three = sum(data[:3]) + 2 * sum(steps[:3])
-    assert causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)[0] == (3, 2)
-    assert len(causal_local._plan(net, inputs, 4, three, grouped=True, gradients=True)) == 2
-    assert causal_local._plan(net, inputs, 4, 1, grouped=True, gradients=True) == [(1, 1)] * 4
-    alone = causal_local._plan(net, inputs, 4, data[0], grouped=True, gradients=True)  # no room beside a batch
+    room = max(data[2], 2 * sum(steps[:3]))  # the third batch built beside the first two, or two senders a step
+    three = sum(data[:3]) + room
+    chunk = min(net.n_heads, room // sum(steps[:3]))
+    assert chunk >= 2
+    assert causal_local._plan(net, inputs, [4, 4], three, grouped=True, gradients=True)[0] == (3, chunk)
+    assert len(causal_local._plan(net, inputs, [4, 4], three, grouped=True, gradients=True)) == 2
+    assert causal_local._plan(net, inputs, [4, 4], 1, grouped=True, gradients=True) == [(1, 1)] * 4
+    alone = causal_local._plan(net, inputs, [4, 4], data[0], grouped=True, gradients=True)  # no room beside a batch
     assert alone[0] == (1, min(net.n_heads, data[0] // steps[0])) and alone[0][1] > 1
     roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)
-    assert causal_local._plan(net, inputs, 4, causal_network.DEFAULT_PATCH_MEMORY - net.nbytes, grouped=True,
+    assert causal_local._plan(net, inputs, [4, 4], causal_network.DEFAULT_PATCH_MEMORY - net.nbytes, grouped=True,
                               gradients=True) == [(4, net.n_heads)]
     assert roomy.effect.max() > 0.3
     for max_memory in (1, net.nbytes + three):

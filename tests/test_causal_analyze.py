@@ -170,10 +170,12 @@ def test_the_users_texts_are_the_inputs(tmp_path):
     out = tmp_path / "run"
     done = headgraph("analyze", "induction-2l", "--causal-inputs", str(texts), "--causal-loss-edges", "0",
                      "--no-roles", "--no-report", "--no-store", "--null-heads", "20", "--reference-samples", "1000",
-                     "--out", str(out))
+                     "--max-memory", "512MiB", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    causal = json.loads((out / "run.json").read_text())["causal"]
+    run = json.loads((out / "run.json").read_text())
+    causal = run["causal"]
     assert causal["inputs"] == {"texts": 3} and str(texts) in causal["source"]  # the blank line is no input
+    assert causal["max_memory"] == run["max_memory"] == 512 * 2**20  # --max-memory bounds both stages
     pairs = pd.read_parquet(out / "pairs.parquet")
     assert pairs.effect.notna().all() and "effect_loss" not in pairs.columns
     missing = headgraph("analyze", "induction-2l", "--causal-inputs", str(tmp_path / "none.txt"), "--no-store",

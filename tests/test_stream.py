@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -380,16 +381,17 @@ def _analyze_process(source: Path, out: Path, max_memory: int, *flags: str, role
     return json.loads((out / "run.json").read_text())
 
 
-def _wide_llama(folder: Path, vocab: int, layers: int, dtype=torch.float32, d_model: int = 256) -> tuple[int, int]:
-    """A Llama whose MLPs dwarf its attention (8 heads on 4 KV heads of 32, MLP 8192) saved in `dtype` with its
-    tokenizer; (its bytes in float32, one layer's bytes in float32)."""
+def _wide_llama(folder: Path, vocab: int, layers: int, dtype=torch.float32, d_model: int = 256, heads: int = 8,
+                mlp: int = 8192) -> tuple[int, int]:
+    """A Llama whose MLPs dwarf its attention (by default: 8 heads on 4 KV heads of 32, MLP 8192) saved in `dtype`
+    with its tokenizer; (its bytes in float32, one layer's bytes in float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from headgraph.loader.models import quiet
     from headgraph.testing.synthetic import save_tokenizer
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=8192, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=mlp, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
                          bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=vocab - 1,
                          tie_word_embeddings=False)
     with quiet():
@@ -420,6 +422,56 @@ def test_the_pk_stage_holds_no_model_and_stays_within_its_budget(tmp_path):
     assert grown < budget + layer_bytes + 48 * 2**20, (grown, budget, layer_bytes)
     assert peak["loaded"]["pk_and_significance"] - peak["streamed"]["pk_and_significance"] > 0.7 * model_bytes, peak
     assert loaded["n_pairs"] == streamed["n_pairs"]
+
+
+_LOCAL_PEAK = """
+import json, re, sys
+from pathlib import Path
+from headgraph.analysis.causal import causal_inputs, local_effects
+from headgraph.analysis.heap import release_freed
+from headgraph.loader.models import load_model
+
+def status(key):
+    return int(re.search(rf"^{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+
+model = load_model(sys.argv[1], device="cpu")
+inputs = causal_inputs(model, 16, seed=0)
+local_effects(model, [s.batch(0, 2) for s in inputs], n_boot=10)  # what a first run builds, built
+release_freed()  # and the heap it freed given back
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+before = status("VmRSS")
+effects = local_effects(model, inputs, n_boot=10, max_memory=int(sys.argv[2]))
+grown = status("VmHWM") - before
+effects.to_parquet(sys.argv[3])
+print(json.dumps({"grown": grown}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="VmHWM is reset through Linux's /proc")
+def test_the_local_effects_hold_batches_within_their_budget(tmp_path):
+    """A Llama of 8 layers, d_model 512 (16 heads of 32, 4 KV heads) on 16 inputs per set: a batch of all 16 with
+    the gradients of attribution holds about 300 MB and takes about as much again to build, so under a 256 MiB
+    budget its batches take 5 or 6 inputs, and the local effects grow the process by less than 1.5 times the
+    budget (what `batch_bytes` does not count, the products c(W_O) Γ W among it, comes on top: 302 MB when
+    measured); under the 2 GiB default they take all 16 and grow it by over 1 GB. The effects are the same either
+    way (attribution to float32 rounding of its 8-layer backward passes over batches of other sizes: 4e-5 of its
+    largest value)."""
+    folder = tmp_path / "llama"
+    _wide_llama(folder, vocab=512, layers=8, d_model=512, heads=16, mlp=1024)
+    budget = 256 * 2**20
+    grown = {}
+    for name, max_memory in (("small", budget), ("large", 2 * 2**30)):
+        found = subprocess.run([sys.executable, "-c", _LOCAL_PEAK, str(folder), str(max_memory),
+                                str(tmp_path / f"{name}.parquet")], check=True, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+        grown[name] = json.loads(found.stdout.strip().splitlines()[-1])["grown"]
+    assert grown["small"] < 1.5 * budget, grown
+    assert grown["large"] > 3 * budget, grown
+    small, large = (pd.read_parquet(tmp_path / f"{name}.parquet") for name in ("small", "large"))
+    np.testing.assert_allclose(small.effect, large.effect, rtol=1e-5, atol=1e-8)
+    scale = np.abs(large.effect_attr).max()  # gradients of other batches: sums rounded in another order
+    np.testing.assert_allclose(small.effect_attr, large.effect_attr, rtol=0, atol=1e-4 * scale)
 
 
 def _damaged(checkpoints, tmp_path, how: str) -> Path:

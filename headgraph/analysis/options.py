@@ -11,7 +11,8 @@ import numpy as np
 from headgraph.errors import UsageError, check_choice
 from headgraph.heads import DEFAULT_TYPES
 
-DEFAULT_PK_MEMORY = 2 * 1024**3  # 2 GiB: the PK engine's tiles (CausalOptions.max_memory: the causal stages')
+DEFAULT_MEMORY = 2 * 1024**3  # 2 GiB: each stage's working memory, the PK engine's tiles (PKOptions) and the causal
+# stages' batches, the passes that build them and their steps (CausalOptions); analyze --max-memory sets both
 DEFAULT_BIN_WIDTH = 64 / 254  # KL histogram bin width in PK units
 DEFAULT_KL_EPS = 1e-10
 # The closed sets of the stage settings, declared once: the CLI's choices are their get_args, the options below
@@ -43,7 +44,7 @@ class PKOptions:
     device: Device | None = None  # None: CUDA when present, else CPU
     dtype: Dtype = "float32"
     seed: int = 0  # samplers of the references and the null
-    max_memory: int = DEFAULT_PK_MEMORY  # working-memory budget of the engine's tiles, bytes
+    max_memory: int = DEFAULT_MEMORY  # working-memory budget of the engine's tiles, bytes
     reference_samples: int = 100_000  # samples of the isotropic reference (KL matrix)
     null_heads: int = 200  # random heads per type of the model-matched null (n^2 pairs give p_model)
     bin_width: float = DEFAULT_BIN_WIDTH
@@ -96,7 +97,8 @@ class CausalOptions:
     ablation: Ablation = "resample"  # resample: another input's sender output; mean: its mean over the inputs
     n_boot: int = DEFAULT_N_BOOT
     batch_size: int = 16
-    max_memory: int = 1024**3  # local effects: the batches held and a patching step over them; loss: a step
+    max_memory: int = DEFAULT_MEMORY  # local effects: the batches held, the passes building the last and a patching
+    # step over them; loss: a batch and the passes of its patched copies
     loss: bool = True
     loss_edges: int | None = 50  # per type, largest attribution (encoders: local effect) first; None: every one
     loss_inputs: int | None = None  # the first N inputs of each set (None: all): the layers from the receiver's on

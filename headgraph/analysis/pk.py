@@ -35,7 +35,7 @@ import torch
 
 from headgraph.analysis import calibration, projectors
 from headgraph.analysis.calibration import Rates
-from headgraph.analysis.options import DEFAULT_PK_MEMORY, Formulation
+from headgraph.analysis.options import DEFAULT_MEMORY, Formulation
 from headgraph.analysis.projectors import FORMULATIONS
 from headgraph.errors import check_choice
 
@@ -305,7 +305,7 @@ def _best_candidate(formulation: str, products: list[Product], shapes: dict, d: 
 
 
 def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKRequest], itemsize: int, rates: Rates,
-            max_memory: int = DEFAULT_PK_MEMORY, formulation: Formulation = "auto") -> PKPlan:
+            max_memory: int = DEFAULT_MEMORY, formulation: Formulation = "auto") -> PKPlan:
     """Plan one pass over basis sets of shapes {name: (n_heads, d, k)} for `requests`: for each formulation,
     its group size under `max_memory` (_best_candidate); "auto" returns the formulation of lower predicted
     time. Raises ValueError when even one-head groups and tiles do not fit."""
@@ -342,7 +342,7 @@ def plan_pk(shapes: dict[str, tuple[int, int, int]], requests: dict[str, PKReque
                   chosen.seconds, chosen.working_bytes, predicted, reason, rates, chosen.chunks)
 
 
-def plan_bases(bases: dict[str, torch.Tensor], requests: dict[str, PKRequest], max_memory: int = DEFAULT_PK_MEMORY,
+def plan_bases(bases: dict[str, torch.Tensor], requests: dict[str, PKRequest], max_memory: int = DEFAULT_MEMORY,
                formulation: str = "auto", rates: Rates | None = None) -> PKPlan:
     """`plan_pk` for these bases {name: [n_heads, d, k]}: their shapes and itemsize, and (unless given) this
     machine's kernel rates for their device, dtype, d_model and widest head."""
@@ -412,7 +412,7 @@ def _projector_pass(bases, plan: PKPlan, outputs: list[torch.Tensor], advance) -
             advance(1)
 
 
-def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, max_memory: int = DEFAULT_PK_MEMORY,
+def pk_matrix(src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, max_memory: int = DEFAULT_MEMORY,
               formulation: str = "auto", rates: Rates | None = None) -> torch.Tensor:
     """PK between every source [Ns, d, k] and target [Nt, d, k'] basis where `mask` [Ns, Nt] is True (NaN
     elsewhere): a one-request pass (`tgt is src`: one symmetric set). Rates default to this machine's

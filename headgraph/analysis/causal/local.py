@@ -14,9 +14,9 @@ import torch
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE,
-                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batches, carry,
-                                               check_counts, coupled, input_change, network, patched_attention,
+from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY, Batch,
+                                               Layer, Net, attribution, batch_bytes, batches, carry, check_counts,
+                                               coupled, input_change, inputs_per_batch, network, patched_attention,
                                                progress_advance, project, receiver_layer, rotate, sender_writes,
                                                value_attribution)
 from headgraph.analysis.heap import empty_mapped
@@ -230,34 +230,38 @@ def _sender_bytes(net: Net, b: int, T: int) -> int:
     return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
 
 
-def _batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
-    """Bytes a batch of b inputs of length T holds while its senders are patched (float32): every layer's residual
-    input, z and Δz, its receivers' clean attention (input, q, k, v, z, scores, pattern) and clean terms (the
-    centred input, c(x) Γ W of each kind), and (`gradients`) the loss gradients at every point of the path."""
-    (e, d), H = net.weights["W_O"][0].shape[-2:], net.n_heads
-    per_input = 3 * T * d + 9 * T * H * e + 2 * H * T * T
-    if gradients:
-        per_input += (ATTRIBUTION_STEPS + 2) * (H * T * T + T * H * e)
-    return 4 * b * net.n_layers * per_input
+def _batch_sizes(net: Net, sets, batch_size: int, max_memory: int, gradients: bool) -> list[int]:
+    """Inputs per batch of each set (`inputs_per_batch`): at most batch_size, and few enough that building the
+    batch (its bytes twice, `_plan`) and a step of one sender over it fit in max_memory (at least 1). All grow with
+    the inputs: on the 1.1B shape an input of 41 tokens holds 171 MB with its gradients, so 2 GiB takes 6."""
+    sizes = []
+    for s in sets:
+        T = s.input_ids.shape[1]
+        per_input = 2 * batch_bytes(net, 1, T, gradients) + _sender_bytes(net, 1, T)
+        sizes.append(inputs_per_batch(len(s), min(batch_size, max_memory // per_input)))
+    return sizes
 
 
-def _plan(net: Net, sets, batch_size: int, max_memory: int, grouped: bool, gradients: bool
+def _plan(net: Net, sets, sizes: Sequence[int], max_memory: int, grouped: bool, gradients: bool
           ) -> list[tuple[int, int]]:
-    """(batches, senders per batched step) of each group of consecutive batches (a set's batches are at most
-    batch_size inputs of its padded length): a group holds its batches (`_batch_bytes`) and its steps cover all of
-    them, the batches and one step within max_memory. A pre-LN model's c(W_O) Γ W products are formed once per
-    group (`grouped`); otherwise each batch is a group. A batch that leaves no room for a sender is a group alone,
-    its step sized to max_memory and its own bytes on top (the model's passes take batch_size inputs)."""
-    shapes = [(min(batch_size, len(s) - start), s.input_ids.shape[1]) for s in sets
-              for start in range(0, len(s), batch_size)]
+    """(batches, senders per batched step) of each group of consecutive batches (set i's batches are sizes[i]
+    inputs of its padded length, `_batch_sizes`): a group holds its batches (`batch_bytes`) and its steps cover all
+    of them, the batches and one step within max_memory, and so do the batches held and the passes that build the
+    next one (its forward pass's activations and the gradient passes' keep about its bytes again: on an 8-layer
+    Llama, 486 MB at most while 16 inputs held 193 MB, estimated 304 MB). A pre-LN model's c(W_O) Γ W products are
+    formed once per group (`grouped`); otherwise each batch is a group. A batch that leaves no room for a sender
+    (one input too many bytes for max_memory) is a group alone, its step sized to max_memory and its own bytes on
+    top."""
+    shapes = [(min(size, len(s) - start), s.input_ids.shape[1]) for s, size in zip(sets, sizes)
+              for start in range(0, len(s), size)]
     plan, held, per_sender, count = [], 0, 0, 0
 
     def chunk():
         return _sender_chunk(net, per_sender, max_memory - held if max_memory - held >= per_sender else max_memory)
 
     for b, T in shapes:
-        data, step = _batch_bytes(net, b, T, gradients), _sender_bytes(net, b, T)
-        if count and (not grouped or held + data + per_sender + step > max_memory):
+        data, step = batch_bytes(net, b, T, gradients), _sender_bytes(net, b, T)
+        if count and (not grouped or held + data + max(data, per_sender + step) > max_memory):
             plan.append((count, chunk()))
             held, per_sender, count = 0, 0, 0
         held, per_sender, count = held + data, per_sender + step, count + 1
@@ -344,10 +348,11 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     effect_attr_lo, effect_attr_hi (NaN for an encoder). An attribution is a linear estimate of what `loss_effects`
     measures exactly: it can miss where the loss is far from linear in the receiver's change (a saturated softmax
     downstream), which is why exact patching checks it on the selected edges. `max_memory` bounds the Net's copies
-    of the weights (`Net.nbytes`), the batches held at once with their activations and gradients (`_batch_bytes`)
-    and one batched step's working bytes over them (`_plan`): a pre-LN model forms each c(W_O) Γ W once for all the
-    batches held, so a smaller budget costs those products again per group. The model itself, one batch's forward
-    and gradient passes, and what `_batch_bytes` estimates short come on top."""
+    of the weights (`Net.nbytes`), the batches held at once with their activations and gradients (`batch_bytes`),
+    the passes building the next and one batched step's working bytes over them (`_plan`). A batch takes at most
+    `batch_size` inputs, fewer where more would not fit (`_batch_sizes`); a pre-LN model forms each c(W_O) Γ W once
+    for all the batches held, so a smaller budget costs those products again per group. The model itself and what
+    `batch_bytes` estimates short come on top."""
     if not types:
         raise UsageError(f"types must name at least one of {', '.join(COMPOSITION_TYPES)}")
     kinds = []
@@ -371,17 +376,18 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                  attributed={kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
                  if attribution and net.is_decoder else None,
                  queries=np.zeros(n), predicted=np.zeros(n), outputs=np.zeros((L, H, n)))
-    advance = progress_advance(progress, "causal: local effects", sets, batch_size, ablation == "mean")
+    gradients = sums.attributed is not None
+    budget = max(0, max_memory - net.nbytes)
+    sizes = _batch_sizes(net, sets, batch_size, budget, gradients)
+    advance = progress_advance(progress, "causal: local effects", sets, sizes, ablation == "mean")
     # pre-LN with LayerNorms or RMSNorms of one kind: project the senders' Δz, not their d-wide writes
     # (_FactoredChange)
     norms = {l: net.layer_norm(l, 1) for l in range(1, L)} if net.local_path == "recompute" and not net.post_ln else {}
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
     weights = _FactoredWeights(net, centring.pop()) if factor else None
-    stream = batches(net, sets, alternatives, batch_size, advance, gradients=sums.attributed is not None,
-                     path=net.local_path)
-    for count, chunk in _plan(net, sets, batch_size, max(0, max_memory - net.nbytes), factor,
-                              sums.attributed is not None):
+    stream = batches(net, sets, alternatives, sizes, advance, gradients=gradients, path=net.local_path)
+    for count, chunk in _plan(net, sets, sizes, budget, factor, gradients):
         _patch_group(net, [(batch, {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)})
                            for batch in itertools.islice(stream, count)], chunk, kinds, weights, index, sums)
     frames = []

@@ -14,10 +14,10 @@ from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
-                                               PER_ROW_HEAD, Batch, Layer, Net, batches, carry, check_counts, coupled,
-                                               input_change, network, patched_attention, plain_unembed,
-                                               progress_advance, project, receiver_layer, releasing, sender_writes,
-                                               stop_pass, unembed)
+                                               PER_ROW_HEAD, Batch, Layer, Net, batch_bytes, batches, carry,
+                                               check_counts, coupled, input_change, inputs_per_batch, network,
+                                               patched_attention, plain_unembed, progress_advance, project,
+                                               receiver_layer, releasing, sender_writes, stop_pass, unembed)
 from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs, run_with_activations
@@ -189,9 +189,11 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     arguments give the same counterfactuals). Returns those four columns, in the edges' order, with
     effect_loss, effect_loss_lo, effect_loss_hi: decoder, patched minus clean next-token cross-entropy in nats
     per predicted token (positive = the path helps the model); encoder, ||h' - h||_F / ||h||_F of the final
-    hidden states. An input's patched copies share forward passes (`max_memory` bytes each with the Net's copies of
-    the weights), each copy
-    joining at its target layer: the layers before it run once per pass, not once per edge.
+    hidden states. An input's patched copies share forward passes, each copy joining at its target layer: the layers
+    before it run once per pass, not once per edge. `max_memory` bounds the Net's copies of the weights, a batch
+    (`batch_bytes`: at most `batch_size` inputs, fewer where they would take more than half of what is left; the
+    passes that build it keep about as much again) and a pass's copies (`_copies_per_pass`, at least one) within the
+    rest.
     """
     check_counts(n_boot, batch_size)
     sets = input_sets(inputs, "inputs")
@@ -200,12 +202,15 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     parsed = _parse_edges(edges, net)
     n = sum(len(s) for s in sets)
     num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
-    advance = progress_advance(progress, "causal: loss effects", sets, batch_size, ablation == "mean")
+    budget = max(0, max_memory - net.nbytes)  # a batch and its passes' copies, beside the Net's copies of the weights
+    sizes = [inputs_per_batch(len(s), min(batch_size, budget // 2 // batch_bytes(net, 1, s.input_ids.shape[1], False)))
+             for s in sets]
+    advance = progress_advance(progress, "causal: loss effects", sets, sizes, ablation == "mean")
     order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
     linear = plain_unembed(net, sets[0].batch(0, 1))
     logits = _Logits(linear) if linear is not None else None
-    budget = max(0, max_memory - net.nbytes)  # a pass's copies, beside the Net's copies of the weights
-    for batch in batches(net, sets, alternatives, batch_size, advance):
+    for batch in batches(net, sets, alternatives, sizes, advance):
+        room = budget - batch_bytes(net, len(batch.real), batch.z.shape[2], False)  # for the passes' copies
         receivers, changes = {}, []
         for e in order:
             sender_layer, sender, layer, head, kind = parsed[e]
@@ -218,7 +223,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
         for i in range(len(batch.real)):
             one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
             T = one.input_ids.shape[1]
-            step = _copies_per_pass(net, T, budget)
+            step = _copies_per_pass(net, T, max(0, room))
             for first in range(0, len(changes), step):
                 out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
                                                   for layer, head, dz in changes[first:first + step]], logits)

@@ -5,7 +5,7 @@ activations of each batch of inputs (`batches`), and each receiver layer's atten
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -237,7 +237,7 @@ def processed_outputs(bridge, weights: dict[str, Any]) -> tuple[tuple[torch.Tens
 def _recomputes(net: Net, probe: TokenInputs) -> bool:
     """Whether the recomputed attention of every layer reproduces the model's z on `probe` (rotary or
     relative positions, ALiBi, QK-norm, another score scale or soft-capping do not)."""
-    batch = next(batches(net, (probe,), (probe,), 1, lambda: None))
+    batch = next(batches(net, (probe,), (probe,), (1,), lambda: None))
     return all(_recompute_error(net, batch, layer)[1] <= _Z_TOLERANCE for layer in range(net.n_layers))
 
 
@@ -521,11 +521,11 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
     return found_by_layer
 
 
-def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], None], gradients: bool = False,
+def batches(net: Net, sets, corrupted, sizes: Sequence[int], advance: Callable[[], None], gradients: bool = False,
             path: Path | None = None) -> Iterator[Batch]:
-    """The clean and corrupted activations of each batch of the input sets (and, with `gradients`, a decoder's
-    loss gradients at every layer's pattern and z) for receivers patched by `path` (default: net.path): the
-    attention calls are kept for the module path and for a rotary model's cos/sin."""
+    """The clean and corrupted activations of each batch of the input sets, sizes[i] inputs a batch of set i (and,
+    with `gradients`, a decoder's loss gradients at every layer's pattern and z) for receivers patched by `path`
+    (default: net.path): the attention calls are kept for the module path and for a rotary model's cos/sin."""
     L, path = net.n_layers, path or net.path
     names = z_names(net) + [f"blocks.{l}.hook_resid_pre" for l in range(L)]
     if gradients:
@@ -536,10 +536,10 @@ def batches(net: Net, sets, corrupted, batch_size: int, advance: Callable[[], No
         names += [name for l in range(L) for name in _module_names(net, l)]
     linear = plain_unembed(net, sets[0].batch(0, 1)) if gradients else None
     offset = 0
-    for clean_set, corrupt_set in zip(sets, corrupted):
-        mean = _mean_z(net, clean_set, batch_size, advance) if corrupt_set is None else None
-        for start in range(0, len(clean_set), batch_size):
-            stop = min(start + batch_size, len(clean_set))
+    for clean_set, corrupt_set, size in zip(sets, corrupted, sizes):
+        mean = _mean_z(net, clean_set, size, advance) if corrupt_set is None else None
+        for start in range(0, len(clean_set), size):
+            stop = min(start + size, len(clean_set))
             batch = clean_set.batch(start, stop)
             if path == "module" or net.rotary:
                 cache, calls = _captured_calls(net, batch, names)
@@ -763,6 +763,24 @@ def project(dx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("sbtd,hde->sbthe", dx, weight)
 
 
+def batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
+    """Bytes a batch of b inputs of length T holds while it is patched (float32): every layer's residual input, z
+    and Δz, its receivers' clean attention (input, q, k, v, z, scores, pattern) and the local effects' clean terms
+    (the centred input, c(x) Γ W of each kind), and (`gradients`) the loss gradients at every point of the path."""
+    (e, d), H = net.weights["W_O"][0].shape[-2:], net.n_heads
+    per_input = 3 * T * d + 9 * T * H * e + 2 * H * T * T
+    if gradients:
+        per_input += (ATTRIBUTION_STEPS + 2) * (H * T * T + T * H * e)
+    return 4 * b * net.n_layers * per_input
+
+
+def inputs_per_batch(count: int, most: int) -> int:
+    """Inputs per batch of a set of `count` inputs in batches of at most `most` (at least 1): the fewest batches,
+    as even as they can be (24 inputs, at most 16 a batch: two of 12)."""
+    most = max(1, min(most, count))
+    return -(-count // -(-count // most))
+
+
 def check_counts(n_boot: int, batch_size: int) -> None:
     if n_boot < 1:
         raise UsageError(f"n_boot must be at least 1, got {n_boot}")
@@ -770,9 +788,9 @@ def check_counts(n_boot: int, batch_size: int) -> None:
         raise UsageError(f"batch_size must be at least 1, got {batch_size}")
 
 
-def progress_advance(progress, label: str, sets, batch_size: int, mean: bool) -> Callable[[], None]:
+def progress_advance(progress, label: str, sets, sizes: Sequence[int], mean: bool) -> Callable[[], None]:
     if progress is None:
         return lambda: None
-    batches = sum(-(-len(s) // batch_size) for s in sets) * (2 if mean else 1)
+    batches = sum(-(-len(s) // size) for s, size in zip(sets, sizes)) * (2 if mean else 1)
     task = progress.add_task(label, total=batches)
     return lambda: progress.advance(task)

@@ -100,7 +100,8 @@ class CausalStage:
         local = local_effects(self.model, self.inputs, kinds, o.ablation, n_boot=o.n_boot, seed=seed,
                               batch_size=o.batch_size, max_memory=o.max_memory, progress=progress)
         record = {"types": kinds, "inputs": {s.name: len(s) for s in self.inputs}, "source": self.source,
-                  "ablation": o.ablation, "n_boot": o.n_boot, "loss_edges_per_type": o.loss_edges if o.loss else 0,
+                  "ablation": o.ablation, "n_boot": o.n_boot, "max_memory": o.max_memory,
+                  "loss_edges_per_type": o.loss_edges if o.loss else 0,
                   "agreement_sample": {"per_type": AGREEMENT_SAMPLE, "seed": [seed, SAMPLE_STREAM]} if o.loss else {},
                   "loss_inputs_per_set": {s.name: min(len(s), o.loss_inputs or len(s)) for s in self.inputs}
                   if o.loss else {},
