@@ -15,8 +15,8 @@ from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY, Batch,
-                                               Layer, Net, attribution, batch_bytes, batches, carry, check_counts,
-                                               coupled, input_change, inputs_per_batch, network, patched_attention,
+                                               Layer, Net, attribution, batch_bytes, batch_sizes, batches, carry,
+                                               check_counts, coupled, input_change, network, patched_attention,
                                                progress_advance, project, receiver_layer, rotate, sender_writes,
                                                value_attribution)
 from headgraph.analysis.heap import empty_mapped
@@ -230,22 +230,10 @@ def _sender_bytes(net: Net, b: int, T: int) -> int:
     return 4 * b * (5 * T * d + 3 * net.n_heads * T * T)
 
 
-def _batch_sizes(net: Net, sets, batch_size: int, max_memory: int, gradients: bool) -> list[int]:
-    """Inputs per batch of each set (`inputs_per_batch`): at most batch_size, and few enough that building the
-    batch (its bytes twice, `_plan`) and a step of one sender over it fit in max_memory (at least 1). All grow with
-    the inputs: on the 1.1B shape an input of 41 tokens holds 171 MB with its gradients, so 2 GiB takes 6."""
-    sizes = []
-    for s in sets:
-        T = s.input_ids.shape[1]
-        per_input = 2 * batch_bytes(net, 1, T, gradients) + _sender_bytes(net, 1, T)
-        sizes.append(inputs_per_batch(len(s), min(batch_size, max_memory // per_input)))
-    return sizes
-
-
 def _plan(net: Net, sets, sizes: Sequence[int], max_memory: int, grouped: bool, gradients: bool
           ) -> list[tuple[int, int]]:
     """(batches, senders per batched step) of each group of consecutive batches (set i's batches are sizes[i]
-    inputs of its padded length, `_batch_sizes`): a group holds its batches (`batch_bytes`) and its steps cover all
+    inputs of its padded length): a group holds its batches (`batch_bytes`) and its steps cover all
     of them, the batches and one step within max_memory, and so do the batches held and the passes that build the
     next one (its forward pass's activations and the gradient passes' keep about its bytes again: on an 8-layer
     Llama, 486 MB at most while 16 inputs held 193 MB, estimated 304 MB). A pre-LN model's c(W_O) Γ W products are
@@ -350,7 +338,7 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     downstream), which is why exact patching checks it on the selected edges. `max_memory` bounds the Net's copies
     of the weights (`Net.nbytes`), the batches held at once with their activations and gradients (`batch_bytes`),
     the passes building the next and one batched step's working bytes over them (`_plan`). A batch takes at most
-    `batch_size` inputs, fewer where more would not fit (`_batch_sizes`); a pre-LN model forms each c(W_O) Γ W once
+    `batch_size` inputs, fewer where more would not fit (`batch_sizes`); a pre-LN model forms each c(W_O) Γ W once
     for all the batches held, so a smaller budget costs those products again per group. The model itself and what
     `batch_bytes` estimates short come on top."""
     if not types:
@@ -378,7 +366,9 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
                  queries=np.zeros(n), predicted=np.zeros(n), outputs=np.zeros((L, H, n)))
     gradients = sums.attributed is not None
     budget = max(0, max_memory - net.nbytes)
-    sizes = _batch_sizes(net, sets, batch_size, budget, gradients)
+    # a batch's bytes twice (held, and again while its passes build it: `_plan`) and a step of one sender over it
+    sizes = batch_sizes(sets, batch_size, budget,
+                        lambda T: 2 * batch_bytes(net, 1, T, gradients) + _sender_bytes(net, 1, T))
     advance = progress_advance(progress, "causal: local effects", sets, sizes, ablation == "mean")
     # pre-LN with LayerNorms or RMSNorms of one kind: project the senders' Δz, not their d-wide writes
     # (_FactoredChange)

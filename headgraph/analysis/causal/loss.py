@@ -14,13 +14,13 @@ from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
 from headgraph.analysis.causal.local import patched_pattern, value_change
 from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY,
-                                               PER_ROW_HEAD, Batch, Layer, Net, batch_bytes, batches, carry,
-                                               check_counts, coupled, input_change, inputs_per_batch, network,
-                                               patched_attention, plain_unembed, progress_advance, project,
-                                               receiver_layer, releasing, sender_writes, stop_pass, unembed)
+                                               PER_ROW_HEAD, Batch, Layer, Net, batch_bytes, batch_sizes, batches,
+                                               carry, check_counts, coupled, input_change, network, patched_attention,
+                                               plain_unembed, progress_advance, project, receiver_layer, releasing,
+                                               sender_writes, stop_pass, unembed)
 from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
-from headgraph.analysis.patterns import model_kwargs, run_with_activations
+from headgraph.analysis.patterns import model_kwargs
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
 from headgraph.heads import COMPOSITION_TYPES
@@ -203,8 +203,7 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     n = sum(len(s) for s in sets)
     num, den = np.zeros((len(parsed), n)), np.zeros((len(parsed), n))
     budget = max(0, max_memory - net.nbytes)  # a batch and its passes' copies, beside the Net's copies of the weights
-    sizes = [inputs_per_batch(len(s), min(batch_size, budget // 2 // batch_bytes(net, 1, s.input_ids.shape[1], False)))
-             for s in sets]
+    sizes = batch_sizes(sets, batch_size, budget, lambda T: 2 * batch_bytes(net, 1, T, False))  # at most half of it
     advance = progress_advance(progress, "causal: loss effects", sets, sizes, ablation == "mean")
     order = sorted(range(len(parsed)), key=lambda e: parsed[e][2])  # by target layer: copies join in order
     linear = plain_unembed(net, sets[0].batch(0, 1))

@@ -774,11 +774,15 @@ def batch_bytes(net: Net, b: int, T: int, gradients: bool) -> int:
     return 4 * b * net.n_layers * per_input
 
 
-def inputs_per_batch(count: int, most: int) -> int:
-    """Inputs per batch of a set of `count` inputs in batches of at most `most` (at least 1): the fewest batches,
-    as even as they can be (24 inputs, at most 16 a batch: two of 12)."""
-    most = max(1, min(most, count))
-    return -(-count // -(-count // most))
+def batch_sizes(sets, batch_size: int, max_memory: int, per_input: Callable[[int], int]) -> list[int]:
+    """Inputs per batch of each set: at most batch_size, and as many as fit in max_memory at per_input(T) bytes an
+    input of the set's padded length T (at least 1), in the fewest batches, as even as they can be (24 inputs, at
+    most 16 a batch: two of 12)."""
+    sizes = []
+    for s in sets:
+        most = max(1, min(batch_size, len(s), max_memory // per_input(s.input_ids.shape[1])))
+        sizes.append(-(-len(s) // -(-len(s) // most)))
+    return sizes
 
 
 def check_counts(n_boot: int, batch_size: int) -> None:
