@@ -300,6 +300,47 @@ def test_a_linears_bf16_weight_is_multiplied_by_chunks_of_rows_both_ways(tmp_pat
         torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_a_pass_under_grad_frees_what_no_backward_pass_freed(tmp_path):
+    """What autograd saves in a bf16 checkpoint's blocks goes through their saved-tensor hooks. The part of a
+    graph a backward pass does not reach (all of it when none runs; the layers before the earliest tensor a
+    gradient is asked of) dies with the pass's output: no tensor of either pass that has a grad_fn is left after
+    it. A hook that kept a saved output (an RMSNorm's scale, a softmax's rows) with its grad_fn formed a cycle
+    through C++ that gc cannot break, and each gradient pass of the local effects left its first layer's
+    activations behind. (Llama: GPT-2's attention bridge keeps its last pattern as an attribute till its next
+    pass, and that pattern's graph with it.)"""
+    import gc
+
+    from headgraph.analysis.roles import input_set, input_set_names
+    from headgraph.testing.families import save_family
+
+    def graph_tensors():
+        gc.collect()
+        return sum(1 for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.grad_fn is not None)
+
+    folder = as_bf16(save_family("llama", tmp_path / "llama"))
+    streamed = open_model(folder, device="cpu")
+    with streamed.patterns_only() as model:
+        bridge = model.bridge
+        ids = input_set(model, input_set_names(True)[0], 4, 0).input_ids
+        layers = bridge.cfg.n_layers
+        assert graph_tensors() == 0
+        for asked in (None, layers - 1):
+            kept = {}
+
+            def keep(value, hook):
+                kept[hook.name] = value
+                return value
+
+            with torch.enable_grad():
+                out = bridge.run_with_hooks(ids, return_type="logits", fwd_hooks=[
+                    (f"blocks.{layer}.attn.hook_pattern", keep) for layer in range(layers)])
+                if asked is not None:
+                    torch.autograd.grad(out.logsumexp(-1).sum(), kept[f"blocks.{asked}.attn.hook_pattern"])
+            assert graph_tensors() > 0
+            del out, kept
+            assert graph_tensors() == 0, asked
+
+
 def test_the_token_embedding_is_upcast_only_in_the_rows_a_pass_looks_up(tmp_path):
     """A bf16 checkpoint's token embedding runs as a float32 table of the distinct ids of the pass, not of the whole
     vocabulary, and is the stored table again after; the patterns and the loss stay the float32 model's."""

@@ -492,9 +492,14 @@ class _Upcasts:
         return _StoredLinear.apply(x, weight, module.bias, self.buffers[key])
 
     def pack(self, tensor: torch.Tensor):
+        """What autograd keeps of a saved tensor: an upcast matrix's stored tensor, else the tensor detached. Kept as
+        it comes (with its grad_fn), a saved output would hold its own node, a cycle through C++ that gc cannot
+        break (pytorch/pytorch#189025): every graph a backward pass does not free (a pass under grad that is not
+        differentiated, or the part before the earliest tensor a gradient is asked of) would stay in memory, on
+        the 1.1B shape's local effects each gradient pass's embedding and first attention."""
         stored = self.live.get(tensor.untyped_storage().data_ptr()) if tensor.dtype == torch.float32 else None
         if stored is None:
-            return tensor
+            return tensor.detach()
         return stored, tensor.size(), tensor.stride(), tensor.storage_offset()
 
     @staticmethod
