@@ -275,14 +275,17 @@ def _drawn_nodes(browser, command: str) -> list:
 
 
 def _table_rows(browser, command: str) -> list[list[str]]:
-    """The cells of each body row of the table view in the frame that ran `command`."""
+    """The cells of each body row of the table view in the frame that ran `command`, or [] while there is none or
+    a row's cells are still empty (Browser adds a table's rows before it fills their cells: a wait on the rows
+    alone once read ['', ''] for the hub's)."""
     from selenium.webdriver.common.by import By
 
     frame = _frames_by_command(browser).get(command)
     if frame is None:
         return []
     rows = frame.find_elements(By.CSS_SELECTOR, "tbody tr[role=row]")
-    return [[cell.text.strip() for cell in row.find_elements(By.CSS_SELECTOR, "td[role=cell]")] for row in rows]
+    cells = [[cell.text.strip() for cell in row.find_elements(By.CSS_SELECTOR, "td[role=cell]")] for row in rows]
+    return cells if all(row and all(row) for row in cells) else []
 
 
 def _run_guide_block(browser, name: str) -> str:
