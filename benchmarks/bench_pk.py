@@ -68,11 +68,11 @@ class Shape:
 
 
 def random_weights(shape: Shape, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    """Gaussian weights drawn where they are used (the large shape's 5 GiB would take seconds to draw on a CPU)."""
+    g = torch.Generator(device).manual_seed(seed)
     L, H, KV, d, k = shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_model, shape.d_head
-    w = {"Q": torch.randn(L, H, d, k, generator=g), "K": torch.randn(L, KV, d, k, generator=g),
-         "V": torch.randn(L, KV, d, k, generator=g), "O": torch.randn(L, H, k, d, generator=g)}
-    return {t: v.to(device) for t, v in w.items()}
+    sizes = {"Q": (L, H, d, k), "K": (L, KV, d, k), "V": (L, KV, d, k), "O": (L, H, k, d)}
+    return {t: torch.randn(size, generator=g, device=device) for t, size in sizes.items()}
 
 
 class PeakMemory:

@@ -228,7 +228,8 @@ def run_analyze(folder: Path, work: Path, args) -> dict:
             command += [flag, str(value)]
     command += [flag for flag, on in (("--no-roles", args.no_roles), ("--no-causal", args.no_causal),
                                       ("--no-report", args.no_report)) if on]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NEO4J_URI": ""}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # this checkout first
+    env = {**os.environ, "PYTHONPATH": path, "NEO4J_URI": ""}
     print(f"  $ {' '.join(command[1:])}", flush=True)
     with open(work / "analyze.out", "w") as out, open(work / "analyze.err", "w") as err, \
             GpuMemory(args.device == "cuda") as gpu:
@@ -436,6 +437,9 @@ def main():
             results.append((shape, built, result))
             shutil.rmtree(work)
     print_summary(results)
+    unfinished = [shape.name for shape, _, result in results if result["rc"] != 0]
+    if unfinished:
+        sys.exit(f"bench_scale: analyze did not finish on {', '.join(unfinished)}")
 
 
 if __name__ == "__main__":

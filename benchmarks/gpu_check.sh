@@ -6,7 +6,7 @@
 #    causal effects, embedded store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the
 #    TinyLlama-1.1B shape and of the Llama-3-8B shape (32 heads, 8 KV heads, d_model 4096, vocab 128256) in its
 #    first SCALE_8B_LAYERS layers (8 unless set; SCALE_8B_LAYERS=32 for the whole model, which loads 32 GB of
-#    float32 weights and needs more than this check's budget), each analyze cut at 65 s: every step's seconds and
+#    float32 weights and needs more than this check's budget), each analyze cut at 60 s: every step's seconds and
 #    peak memory, then one table of both;
 # 3. the PK benchmark with --device cuda: GPT-2-small shape against TransformerLens, 16 types and the floor
 #    (its whole-analyze table is left to step 2); then the large shape (32 layers x 32 heads, d_model 4096,
@@ -45,15 +45,15 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND under min(LIMIT_S, what is
     steps+=("$(printf '  %-64s %4d s  %s' "$name" $((SECONDS - began)) "$outcome")")
 }
 
-step "CUDA tests" 75 \
+step "CUDA tests" 45 \
     python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
 step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --types all, CUDA" 150 \
-    python3 benchmarks/bench_scale.py --device cuda --types all --max-memory 16GiB --no-report --timeout 65 \
+    python3 benchmarks/bench_scale.py --device cuda --types all --max-memory 16GiB --no-report --timeout 60 \
     --shape tinyllama-1.1b --shape "llama3-8b:${layers_8b}"
-step "bench_pk: GPT-2 small vs TransformerLens, 16 types, floor, CUDA" 40 \
-    python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --skip-analyze
-step "bench_pk: large shape (32 layers), CUDA" 35 \
-    python3 benchmarks/bench_pk.py --device cuda --only large --repeat 1 --skip-tl --max-memory 16GiB
+step "bench_pk: GPT-2 small vs TransformerLens, 16 types, floor, CUDA" 45 \
+    python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --skip-analyze --scipy-pairs 30
+step "bench_pk: large shape (32 layers), CUDA" 60 \
+    python3 benchmarks/bench_pk.py --device cuda --only large --repeat 1 --skip-tl --max-memory 16GiB --scipy-pairs 12
 
 echo "== gpu_check: $((SECONDS - start)) s of a ${budget} s budget"
 printf '%s\n' "${steps[@]}"
