@@ -68,6 +68,24 @@ def test_the_root_of_sigma_draws_gaussians_of_covariance_sigma(rank):
                                atol=0.02 * float(sigma.diagonal().max()))
 
 
+def test_a_cholesky_factor_reported_good_but_not_finite_is_not_the_root(monkeypatch):
+    """cuSOLVER (torch 2.11, an H100) factored a singular Sigma with info 0 and a last row of NaN: the root then
+    comes from the eigendecomposition, and R R^T is still Sigma."""
+    factor = torch.randn(8, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    sigma = factor @ factor.T
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def as_cuda_reported(matrix):
+        lower, _ = cholesky_ex(matrix)
+        lower[-1] = float("nan")
+        return lower, torch.zeros((), dtype=torch.int32)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", as_cuda_reported)
+    root = sigma_root(sigma)
+    assert torch.isfinite(root).all()
+    torch.testing.assert_close(root @ root.T, sigma, atol=1e-10, rtol=0)
+
+
 def random_model(covariance_root: torch.Tensor | None, seed: int) -> dict[str, torch.Tensor]:
     """Gaussian weights (GPT-2's init scale); each column / written direction ~ N(0, C C^T) if a root C is given."""
     g = torch.Generator().manual_seed(seed)

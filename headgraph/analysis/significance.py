@@ -42,10 +42,12 @@ def sigma_root(sigma: torch.Tensor) -> torch.Tensor:
     """A root R with R R^T = Sigma: its Cholesky factor where Sigma is positive definite, else V diag(sqrt(lambda))
     of its eigendecomposition (eigenvalues below Sigma's rank floor set to 0). Either makes R G Gaussian with
     covariance Sigma; the Cholesky factor costs a tenth of the eigendecomposition at d_model 2048 and a twentieth at
-    4096. Both run on one CPU thread, several times faster there than on two waking workers."""
+    4096. Both run on one CPU thread, several times faster there than on two waking workers. A factor with a
+    non-finite entry is not taken even where the factorisation reports success: on CUDA (torch 2.11, an H100) a
+    singular Sigma whose last pivot rounds below zero came back with info 0 and a row of NaN."""
     with small_lapack(sigma.device):
         factor, info = torch.linalg.cholesky_ex(sigma)
-        if int(info) == 0:
+        if int(info) == 0 and bool(torch.isfinite(factor).all()):
             return factor
         eigenvalues, eigenvectors = torch.linalg.eigh(sigma)
     floor = sigma.shape[0] * torch.finfo(sigma.dtype).eps * eigenvalues.abs().max()
