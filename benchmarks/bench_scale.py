@@ -40,6 +40,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -216,10 +217,30 @@ class GpuMemory:
         return self.peak - self.base if self.enabled else None
 
 
+# `python -m headgraph`, with faulthandler set to write every thread's Python stack on SIGUSR1: an analyze cut
+# at --timeout is sent SIGUSR1, then killed, so that its stack says where it was.
+HEADGRAPH_MAIN = ("import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+                  "runpy.run_module('headgraph', run_name='__main__', alter_sys=True)")
+STACK_S = 2  # seconds between SIGUSR1 and SIGKILL
+
+
+def stop_with_stack(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(STACK_S)
+    process.kill()
+
+
+def headgraph_frames(stderr: str) -> list[str]:
+    """The thread headers of a faulthandler dump and, under each, its frames in headgraph's own files."""
+    return [line.strip() for line in stderr.splitlines()
+            if "/headgraph/" in line or line.startswith(("Thread 0x", "Current thread 0x"))]
+
+
 def run_analyze(folder: Path, work: Path, args) -> dict:
     """One fresh `headgraph analyze` process on the folder: wall seconds, ru_maxrss, GPU peak, its --json summary
-    and run.json (None where the process failed; its stderr's tail is then printed)."""
-    command = [sys.executable, "-m", "headgraph", "analyze", str(folder), "--json", "--device", args.device,
+    and run.json (None where the process failed; its stderr's tail is then printed, and where --timeout cut it,
+    the headgraph frames of its stack)."""
+    command = [sys.executable, "-c", HEADGRAPH_MAIN, "analyze", str(folder), "--json", "--device", args.device,
                "--out", str(work / "run"), "--db", str(work / "graph.lbdb"), "--max-memory", args.max_memory]
     if args.types:
         command += ["--types", args.types]
@@ -230,12 +251,12 @@ def run_analyze(folder: Path, work: Path, args) -> dict:
                                       ("--no-report", args.no_report)) if on]
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # this checkout first
     env = {**os.environ, "PYTHONPATH": path, "NEO4J_URI": ""}
-    print(f"  $ {' '.join(command[1:])}", flush=True)
+    print(f"  $ headgraph {' '.join(command[3:])}", flush=True)
     with open(work / "analyze.out", "w") as out, open(work / "analyze.err", "w") as err, \
             GpuMemory(args.device == "cuda") as gpu:
         start = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
-        limit = threading.Timer(args.timeout, process.kill) if args.timeout else None
+        limit = threading.Timer(args.timeout, stop_with_stack, (process,)) if args.timeout else None
         if limit is not None:
             limit.start()
         try:
@@ -251,9 +272,13 @@ def run_analyze(folder: Path, work: Path, args) -> dict:
     result = {"wall": wall, "maxrss": usage.ru_maxrss * 1024, "gpu_peak": gpu.above_base(),
               "rc": process.returncode, "summary": None, "run": None}
     if process.returncode != 0:
-        why = f"killed at --timeout {args.timeout} s" if process.returncode == -9 and args.timeout else "failed"
-        tail = (work / "analyze.err").read_text().strip().splitlines()[-15:]
-        print(f"  analyze {why} (exit {process.returncode}) after {wall:.1f} s:\n    " + "\n    ".join(tail))
+        stderr = (work / "analyze.err").read_text()
+        if process.returncode == -9 and args.timeout:
+            why, lines = f"killed at --timeout {args.timeout} s", ["its stack then, headgraph's frames, innermost "
+                                                                   "first:", *headgraph_frames(stderr)]
+        else:
+            why, lines = "failed", stderr.strip().splitlines()[-15:]
+        print(f"  analyze {why} (exit {process.returncode}) after {wall:.1f} s:\n    " + "\n    ".join(lines))
         return result
     result["summary"] = json.loads((work / "analyze.out").read_text())
     result["run"] = json.loads((work / "run" / "run.json").read_text())
