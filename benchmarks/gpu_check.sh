@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh
 # 1. the CUDA tests (pytest -m cuda: engine, calibration and a whole analyze on CUDA equal to the CPU);
 # 2. bench_scale with --device cuda --types all: whole `headgraph analyze` processes (PK of all 16 types, roles,
-#    causal effects, embedded store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the
+#    causal effects on 8 inputs per set and loss effects on 4 of them, a third of the defaults' inputs, embedded
+#    store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the
 #    TinyLlama-1.1B shape and of the Llama-3-8B shape (32 heads, 8 KV heads, d_model 4096, vocab 128256) in its
 #    first SCALE_8B_LAYERS layers (8 unless set; SCALE_8B_LAYERS=32 for the whole model, which loads 32 GB of
 #    float32 weights and needs more than this check's budget), each analyze cut at 60 s: every step's seconds and
@@ -49,6 +50,7 @@ step "CUDA tests" 45 \
     python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
 step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --types all, CUDA" 150 \
     python3 benchmarks/bench_scale.py --device cuda --types all --max-memory 16GiB --no-report --timeout 60 \
+    --causal-n 8 --causal-loss-inputs 4 \
     --shape tinyllama-1.1b --shape "llama3-8b:${layers_8b}"
 step "bench_pk: GPT-2 small vs TransformerLens, 16 types, floor, CUDA" 45 \
     python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --skip-analyze --scipy-pairs 30
