@@ -46,7 +46,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND under min(LIMIT_S, what is
     steps+=("$(printf '  %-64s %4d s  %s' "$name" $((SECONDS - began)) "$outcome")")
 }
 
-step "CUDA tests" 45 \
+step "CUDA tests" 35 \
     python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
 step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --types all, CUDA" 150 \
     python3 benchmarks/bench_scale.py --device cuda --types all --max-memory 16GiB --no-report --timeout 60 \
@@ -54,7 +54,7 @@ step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --typ
     --shape tinyllama-1.1b --shape "llama3-8b:${layers_8b}"
 step "bench_pk: GPT-2 small vs TransformerLens, 16 types, floor, CUDA" 45 \
     python3 benchmarks/bench_pk.py --device cuda --only gpt2 --repeat 3 --skip-analyze --scipy-pairs 30
-step "bench_pk: large shape (32 layers), CUDA" 60 \
+step "bench_pk: large shape (32 layers), CUDA" 70 \
     python3 benchmarks/bench_pk.py --device cuda --only large --repeat 1 --skip-tl --max-memory 16GiB --scipy-pairs 12
 
 echo "== gpu_check: $((SECONDS - start)) s of a ${budget} s budget"
