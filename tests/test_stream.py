@@ -74,9 +74,9 @@ def test_composition_scores_from_the_streamed_factors_equal_those_of_the_weights
     for tp in types:
         expected = composition_scores(loaded.W_Q, loaded.W_K, loaded.W_V, loaded.W_O, tp[1], mask, 2**30)
         rows = pairs[pairs.source_type + pairs.target_type == tp]
-        src = rows.source_layer * n_heads + rows.source_head
-        tgt = rows.target_layer * n_heads + rows.target_head
-        np.testing.assert_allclose(rows.cs, expected[src.to_numpy(), tgt.to_numpy()].numpy(), rtol=1e-5, atol=0)
+        src = torch.tensor((rows.source_layer * n_heads + rows.source_head).to_numpy(copy=True))  # pandas: read-only
+        tgt = torch.tensor((rows.target_layer * n_heads + rows.target_head).to_numpy(copy=True))
+        np.testing.assert_allclose(rows.cs, expected[src, tgt].numpy(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3", "bert"])
