@@ -496,9 +496,10 @@ def test_the_local_effects_hold_batches_within_their_budget(tmp_path):
     the gradients of attribution holds about 300 MB and takes about as much again to build, so under a 256 MiB
     budget its batches take 5 or 6 inputs, and the local effects grow the process by less than 1.5 times the
     budget (what `batch_bytes` does not count, the products c(W_O) Γ W among it, comes on top: 302 MB when
-    measured); under the 2 GiB default they take all 16 and grow it by over 1 GB. The effects are the same either
-    way (attribution to float32 rounding of its 8-layer backward passes over batches of other sizes: 4e-5 of its
-    largest value)."""
+    measured); under the 2 GiB default they take all 16 and grow it by more than twice as much (755 MB when
+    measured; 990 MB while `batches` kept each batch's per-layer z and counterfactual z). The effects are the same
+    either way (attribution to float32 rounding of its 8-layer backward passes over batches of other sizes: 4e-5 of
+    its largest value)."""
     folder = tmp_path / "llama"
     _wide_llama(folder, vocab=512, layers=8, d_model=512, heads=16, mlp=1024)
     budget = 256 * 2**20
@@ -509,7 +510,7 @@ def test_the_local_effects_hold_batches_within_their_budget(tmp_path):
                                env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
         grown[name] = json.loads(found.stdout.strip().splitlines()[-1])["grown"]
     assert grown["small"] < 1.5 * budget, grown
-    assert grown["large"] > 3 * budget, grown
+    assert grown["large"] > 2 * grown["small"], grown
     small, large = (pd.read_parquet(tmp_path / f"{name}.parquet") for name in ("small", "large"))
     np.testing.assert_allclose(small.effect, large.effect, rtol=1e-5, atol=1e-8)
     scale = np.abs(large.effect_attr).max()  # gradients of other batches: sums rounded in another order

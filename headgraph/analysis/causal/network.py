@@ -499,7 +499,8 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
             grads = torch.autograd.grad(loss, [kept[name] for name in names])
         for name, g in zip(names, grads):
             found[name].append(g.float())
-        del out, losses, loss, kept
+        del out, losses, loss
+        kept.clear()
     release_freed()  # the last step's activations, freed out of order (a third of the stage's peak otherwise)
     found_by_layer = {}
     for l in range(net.n_layers):
@@ -563,13 +564,16 @@ def batches(net: Net, sets, corrupted, sizes: Sequence[int], advance: Callable[[
                 for l in range(L - 1):
                     a1, a2 = cache[f"blocks.{l}.ln1.hook_in"], cache[f"blocks.{l}.ln2.hook_in"]
                     norms.append((a1, net.norm(l, 1, a1), a2, net.norm(l, 2, a2)))
-            yield Batch(rows=slice(offset + start, offset + stop), inputs=batch, real=real, visible=visible,
+            made = Batch(rows=slice(offset + start, offset + stop), inputs=batch, real=real, visible=visible,
                          queries=(real & (visible.sum(-1) > 1)).float(),
                          resid=[cache[f"blocks.{l}.hook_resid_pre"] for l in range(L)], z=z,
                          dz=dz, norms=norms, calls=calls,
                          hooked=None if path != "module" else {n: cache[n] for l in range(L)
                                                                for n in _module_names(net, l)},
                          grads=_loss_gradients(net, batch, dz, cache, linear) if gradients else None)
+            del cache, z_alt  # the per-layer z and values, the counterfactual z: not kept while the batch is used
+            yield made
+            del made  # nor the batch once its user let it go, while the next is built
             advance()
         offset += len(clean_set)
 
