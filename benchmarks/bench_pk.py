@@ -68,7 +68,7 @@ class Shape:
 
 
 def random_weights(shape: Shape, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Gaussian weights drawn where they are used (the large shape's 5 GiB would take seconds to draw on a CPU)."""
+    """Gaussian weights drawn on the device that uses them (no copy from the CPU; the large shape's are 5 GiB)."""
     g = torch.Generator(device).manual_seed(seed)
     L, H, KV, d, k = shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_model, shape.d_head
     sizes = {"Q": (L, H, d, k), "K": (L, KV, d, k), "V": (L, KV, d, k), "O": (L, H, k, d)}

@@ -4,11 +4,11 @@
 # 1. the CUDA tests (pytest -m cuda: engine, calibration and a whole analyze on CUDA equal to the CPU);
 # 2. bench_scale with --device cuda --types all: whole `headgraph analyze` processes (PK of all 16 types, roles,
 #    causal effects on 8 inputs per set and loss effects on 4 of them, a third of the defaults' inputs, embedded
-#    store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the
-#    TinyLlama-1.1B shape and of the Llama-3-8B shape (32 heads, 8 KV heads, d_model 4096, vocab 128256) in its
-#    first SCALE_8B_LAYERS layers (8 unless set; SCALE_8B_LAYERS=32 for the whole model, whose 16 GB of
-#    bf16 weights its forward passes hold as stored, and which needs more than this check's budget), each analyze cut at 60 s: every step's seconds and
-#    peak memory, then one table of both;
+#    store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the TinyLlama-1.1B shape and
+#    of the Llama-3-8B shape (32 heads, 8 KV heads, d_model 4096, vocab 128256) in its first SCALE_8B_LAYERS layers
+#    (8 unless set; SCALE_8B_LAYERS=32 for the whole model, whose 16 GB of bf16 weights its forward passes hold as
+#    stored, and which needs more than this check's budget), each analyze cut at 60 s (its stack printed then):
+#    every step's seconds and peak memory, then one table of both;
 # 3. the PK benchmark with --device cuda: GPT-2-small shape against TransformerLens, 16 types and the floor
 #    (its whole-analyze table is left to step 2); then the large shape (32 layers x 32 heads, d_model 4096,
 #    8 KV heads) without TransformerLens, whose per-head SVD loop alone would take minutes there.
