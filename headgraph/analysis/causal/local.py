@@ -237,10 +237,9 @@ def _plan(net: Net, sets, sizes: Sequence[int], max_memory: int, grouped: bool, 
     of them, the batches and one step within max_memory, and so do the batches held and the passes that build the
     next one (its forward pass's activations and the gradient passes' keep about its bytes again: on the 1.1B
     shape cut to 8 layers, 16 inputs of 25 tokens held 388 MB and 833 MB at most while built, estimated 554 MB;
-    bytes malloc held in use). A pre-LN model's c(W_O) Γ W products are
-    formed once per group (`grouped`); otherwise each batch is a group. A batch that leaves no room for a sender
-    (one input too many bytes for max_memory) is a group alone, its step sized to max_memory and its own bytes on
-    top."""
+    bytes malloc held in use). A pre-LN model's c(W_O) Γ W products are formed once per group (`grouped`);
+    otherwise each batch is a group. A batch that leaves no room for a sender (one input too many bytes for
+    max_memory) is a group alone, its step sized to max_memory and its own bytes on top."""
     shapes = [(min(size, len(s) - start), s.input_ids.shape[1]) for s, size in zip(sets, sizes)
               for start in range(0, len(s), size)]
     plan, held, per_sender, count = [], 0, 0, 0
