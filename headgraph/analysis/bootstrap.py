@@ -38,10 +38,22 @@ def draw_counts(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
 
 def percentile_interval(boot: np.ndarray, confidence: float = CONFIDENCE, axis: int = -1
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, hi): the central `confidence` percentile interval of the resampled statistics along `axis`."""
+    """(lo, hi): the central `confidence` percentile interval of the resampled statistics along `axis`, as
+    np.percentile's linear method gives it (the same numbers; NaN where a statistic is NaN), from one sort along
+    `axis`: np.percentile partitions along the first axis, which took 56 ms for 4096 rows of 1000 resamples
+    against 13 ms for the sort (the local effects of the 1.1B shape bootstrap 591,360 such rows)."""
     tail = 50.0 * (1.0 - confidence)
-    lo, hi = np.percentile(boot, [tail, 100 - tail], axis=axis)
-    return lo, hi
+    ordered = np.sort(boot, axis=axis)
+    n = ordered.shape[axis]
+    bounds = []
+    for virtual in (n - 1) * (np.array([tail, 100 - tail]) / 100):
+        below = min(max(int(np.floor(virtual)), 0), n - 1)
+        a, b = np.take(ordered, below, axis), np.take(ordered, min(below + 1, n - 1), axis)
+        gamma = virtual - below if virtual < n - 1 else 0.0
+        diff = b - a  # numpy's lerp: from below where gamma < 0.5, from above otherwise
+        bounds.append(np.where(np.isnan(np.take(ordered, -1, axis)), np.nan,
+                               a + diff * gamma if gamma < 0.5 else b - diff * (1 - gamma))[()])
+    return bounds[0], bounds[1]
 
 
 def ratio_intervals(num: np.ndarray, den: np.ndarray, n_boot: int, seed, root: bool = False,

@@ -1,0 +1,35 @@
+"""The shared percentile bootstrap (`headgraph.analysis.bootstrap`) against numpy's own percentile."""
+
+import numpy as np
+import pytest
+
+from headgraph.analysis.bootstrap import percentile_interval, ratio_intervals, resample_counts
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 999, 1000])
+@pytest.mark.parametrize("confidence", [0.95, 0.9, 0.5])
+def test_the_interval_is_numpys_linear_percentile_bit_for_bit(n, confidence):
+    """Rows with a NaN (NaN bounds), infinities of either sign, ties and constants; along either axis."""
+    rng = np.random.default_rng(n)
+    boot = rng.standard_normal((40, n))
+    boot[1, 0], boot[2, -1], boot[3], boot[4] = np.nan, np.inf, np.inf, 1.5
+    boot[5, : n // 2] = -np.inf
+    boot[6] = np.round(boot[6])
+    tail = 50.0 * (1.0 - confidence)
+    with np.errstate(invalid="ignore"):  # inf - inf in the interpolation, numpy's as ours
+        want = np.percentile(boot, [tail, 100 - tail], axis=-1)
+        for got in (percentile_interval(boot, confidence), percentile_interval(boot.T, confidence, axis=0)):
+            assert np.array_equal(got[0], want[0], equal_nan=True) and np.array_equal(got[1], want[1], equal_nan=True)
+    assert np.isnan(want[0][1]) and np.isnan(want[1][1])
+
+
+def test_ratio_intervals_resample_numerator_and_denominator_together():
+    """Each resample's ratio of sums, recomputed by drawing the items themselves."""
+    rng = np.random.default_rng(3)
+    num, den = rng.normal(size=(5, 12)), rng.uniform(1, 2, size=(5, 12))
+    estimate, lo, hi = ratio_intervals(num, den, n_boot=200, seed=[4, 1])
+    draws = np.random.default_rng([4, 1]).integers(0, 12, size=(200, 12))
+    boot = np.stack([num[:, d].sum(1) / den[:, d].sum(1) for d in draws], 1)
+    np.testing.assert_allclose(estimate, num.sum(1) / den.sum(1))
+    np.testing.assert_allclose(np.stack([lo, hi]), np.percentile(boot, [2.5, 97.5], axis=1), rtol=1e-12)
+    assert resample_counts(12, 200, [4, 1]).sum(0).tolist() == [12.0] * 200
