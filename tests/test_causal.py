@@ -536,6 +536,7 @@ def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_token_losses_by_vocabulary_chunks_equal_cross_entropy_and_its_gradient(dtype, monkeypatch):
     monkeypatch.setattr(heap, "ROW_CHUNK_BYTES", 7 * 16 * 4)  # 30 tokens: 5 chunks of a bf16 weight, the last short
+    monkeypatch.setattr(heap, "ROW_CHUNK_ROWS", 1)
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 30).to(dtype)
     hidden = torch.randn(12, 16, requires_grad=True)

@@ -254,6 +254,7 @@ def test_a_linears_bf16_weight_is_multiplied_by_chunks_of_rows_both_ways(tmp_pat
 
     whole, chunked, dtypes, real = [], [], [], heap.float32_rows
     monkeypatch.setattr(heap, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # 5 rows of the MLP's [64, 128] down matrix at once
+    monkeypatch.setattr(heap, "ROW_CHUNK_ROWS", 1)
     monkeypatch.setattr(models, "_float32", lambda stored: whole.append(tuple(stored.shape)) or stored.float())
     monkeypatch.setattr(heap, "float32_rows", lambda weight, buffer: chunked.append(
         (tuple(weight.shape), tuple(buffer.shape))) or real(weight, buffer))
