@@ -83,7 +83,8 @@ def _head_change(net: Net, batch: Batch, recv: Layer, delta: torch.Tensor, kind:
 class _Logits:
     """Logits of the loss passes through a plain unembedding (`plain_unembed`), written into one buffer grown
     to the largest pass and reused: a pass's logits are its largest tensor (e.g. 60 copies x 41 tokens x 50257,
-    half a GB), and fresh memory of that size costs its first touch on every pass."""
+    half a GB), and fresh memory of that size costs its first touch on every pass. `release` lets it go between
+    batches: the budget leaves room for the passes' copies beside one batch, not beside the next one's build."""
 
     def __init__(self, linear: torch.nn.Linear):
         self.linear, self.buffer = linear, torch.empty(0)
@@ -97,6 +98,9 @@ class _Logits:
             self.buffer = torch.empty(size, dtype=torch.float32, device=hidden.device)
         out = unembed(self.linear, hidden.reshape(rows, -1), self.buffer[:size].view(rows, vocab))
         return out.view(*hidden.shape[:2], -1)
+
+    def release(self) -> None:
+        self.buffer = torch.empty(0)
 
 
 def _patched_outputs(net: Net, inputs: TokenInputs, changes: list[tuple[int, slice, torch.Tensor]],
@@ -177,6 +181,40 @@ def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
     return logits.sub_(top).exp_().sum(-1).log_() + top[..., 0] - target
 
 
+def _batch_losses(net: Net, batch: Batch, parsed: list[tuple[int, int, int, int, str]], order: list[int],
+                  budget: int, logits: _Logits | None, num: np.ndarray, den: np.ndarray) -> None:
+    """Each edge's patched minus clean loss (decoder) or squared change of the final hidden states (encoder) on
+    every input of `batch`, into num and den at the batch's columns; the receivers' clean attention and the
+    edges' changes are let go on return, before the next batch is built."""
+    room = budget - batch_bytes(net, len(batch.real), batch.z.shape[2], False)  # for the passes' copies
+    receivers, changes = {}, []
+    for e in order:
+        sender_layer, sender, layer, head, kind = parsed[e]
+        if layer not in receivers:
+            receivers[layer] = receiver_layer(net, batch, layer)
+        delta = sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
+        for between in range(sender_layer, layer):
+            delta = carry(net, batch, between, delta)
+        changes.append((layer, *_head_change(net, batch, receivers[layer], delta, kind, head)))
+    for i in range(len(batch.real)):
+        one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
+        T = one.input_ids.shape[1]
+        step = _copies_per_pass(net, T, max(0, room))
+        for first in range(0, len(changes), step):
+            out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
+                                              for layer, head, dz in changes[first:first + step]], logits)
+            if net.is_decoder:
+                losses = _token_losses(out, one.input_ids[0]).sum(-1)
+                change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
+            else:
+                change = (out[1:] - out[:1]).pow(2).sum((1, 2))
+                count = out[0].pow(2).sum().expand_as(change)
+            edges_here = order[first:first + len(change)]
+            num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
+            den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
+            release_freed()  # the pass's activations, freed out of order (its logits buffer stays for the next)
+
+
 @torch.no_grad()
 def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.DataFrame, ablation: str = "resample",
                  corrupted: TokenInputs | Sequence[TokenInputs] | None = None, n_boot: int = DEFAULT_N_BOOT,
@@ -209,33 +247,10 @@ def loss_effects(model, inputs: TokenInputs | Sequence[TokenInputs], edges: pd.D
     linear = plain_unembed(net, sets[0].batch(0, 1))
     logits = _Logits(linear) if linear is not None else None
     for batch in batches(net, sets, alternatives, sizes, advance):
-        room = budget - batch_bytes(net, len(batch.real), batch.z.shape[2], False)  # for the passes' copies
-        receivers, changes = {}, []
-        for e in order:
-            sender_layer, sender, layer, head, kind = parsed[e]
-            if layer not in receivers:
-                receivers[layer] = receiver_layer(net, batch, layer)
-            delta = sender_writes(net, batch, sender_layer, slice(sender, sender + 1))
-            for between in range(sender_layer, layer):
-                delta = carry(net, batch, between, delta)
-            changes.append((layer, *_head_change(net, batch, receivers[layer], delta, kind, head)))
-        for i in range(len(batch.real)):
-            one = batch.inputs.batch(i, i + 1)  # trimmed to its real tokens
-            T = one.input_ids.shape[1]
-            step = _copies_per_pass(net, T, max(0, room))
-            for first in range(0, len(changes), step):
-                out = _patched_outputs(net, one, [(layer, head, dz[i, :T])
-                                                  for layer, head, dz in changes[first:first + step]], logits)
-                if net.is_decoder:
-                    losses = _token_losses(out, one.input_ids[0]).sum(-1)
-                    change, count = losses[1:] - losses[0], torch.full_like(losses[1:], T - 1)
-                else:
-                    change = (out[1:] - out[:1]).pow(2).sum((1, 2))
-                    count = out[0].pow(2).sum().expand_as(change)
-                edges_here = order[first:first + len(change)]
-                num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
-                den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
-                release_freed()  # the pass's activations, freed out of order (its logits buffer stays for the next)
+        _batch_losses(net, batch, parsed, order, budget, logits, num, den)
+        del batch  # neither this batch nor the largest pass's buffer is held while the next batch is built
+        if logits is not None:
+            logits.release()
     effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=not net.is_decoder)
     table = edges[PAIR_KEY].reset_index(drop=True).copy()
     table["effect_loss"], table["effect_loss_lo"], table["effect_loss_hi"] = effect, lo, hi
