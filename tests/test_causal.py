@@ -4,6 +4,7 @@ exact zeros of patching a sender with its own clean output."""
 
 import doctest
 import re
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -318,6 +319,40 @@ def test_post_ln_effects_equal_one_pair_at_a_time_through_hooks(minilm, minilm_e
                  & (table.target_type == pair[2])]
     loss = C.loss_effects(minilm, inputs, edge, n_boot=20, seed=3, batch_size=3)
     assert float(loss.effect_loss.iloc[0]) == pytest.approx(final, rel=1e-3)
+
+
+def test_the_loss_effects_build_each_batch_holding_no_earlier_one_nor_its_logits(planted_key_path, monkeypatch):
+    """While a batch's forward passes run, no batch given out before is alive and the logits buffer of the last
+    batch's loss passes is empty: the budget leaves room for one batch and its passes, not for both beside the
+    next one's build."""
+    model = loaded(planted_key_path[0])
+    inputs = repeated_token_inputs(model.tokenizer, 6, seed=3, length=8)
+    edges = pd.DataFrame([{"source": f"L0H{SENDER}", "target": f"L1H{RECEIVER}", "source_type": "O",
+                           "target_type": "K"}])
+    given, buffers, builds = [], [], []
+    real_batches, real_run, real_logits = causal_loss.batches, causal_network.run_with_activations, causal_loss._Logits
+
+    def watched(*args, **kwargs):
+        for made in real_batches(*args, **kwargs):
+            given.append(weakref.ref(made))
+            yield made
+            made = None  # this wrapper's own reference gone before the next is built
+
+    def kept_logits(linear):
+        buffers.append(real_logits(linear))
+        return buffers[-1]
+
+    def build(*args, **kwargs):
+        builds.append(([ref() is not None for ref in given], [b.buffer.numel() for b in buffers]))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(causal_loss, "batches", watched)
+    monkeypatch.setattr(causal_loss, "_Logits", kept_logits)
+    monkeypatch.setattr(causal_network, "run_with_activations", build)
+    C.loss_effects(model, inputs, edges, n_boot=10, seed=1, batch_size=2)
+    assert len(given) == 3 and len(buffers) == 1
+    later = [build for build in builds if build[0]]  # the clean and counterfactual passes of batches 2 and 3
+    assert len(later) == 4 and all(alive == [False] * len(alive) and sizes == [0] for alive, sizes in later)
 
 
 @pytest.mark.slow
