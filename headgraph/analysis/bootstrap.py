@@ -46,10 +46,10 @@ def percentile_interval(boot: np.ndarray, confidence: float = CONFIDENCE, axis: 
     ordered = np.sort(boot, axis=axis)
     n = ordered.shape[axis]
     bounds = []
-    for virtual in (n - 1) * (np.array([tail, 100 - tail]) / 100):
-        below = min(max(int(np.floor(virtual)), 0), n - 1)
+    for virtual in (n - 1) * (np.array([tail, 100 - tail]) / 100):  # in [0, n - 1]
+        below = int(virtual)
         a, b = np.take(ordered, below, axis), np.take(ordered, min(below + 1, n - 1), axis)
-        gamma = virtual - below if virtual < n - 1 else 0.0
+        gamma = virtual - below
         diff = b - a  # numpy's lerp: from below where gamma < 0.5, from above otherwise
         bounds.append(np.where(np.isnan(np.take(ordered, -1, axis)), np.nan,
                                a + diff * gamma if gamma < 0.5 else b - diff * (1 - gamma))[()])

@@ -94,7 +94,7 @@ def row_buffer(weight: "torch.Tensor") -> "torch.Tensor":
     146 rows, 430 by 1024; the square GEMM's peak 468), its backward pass about as fast either way."""
     import torch
 
-    rows = min(len(weight), max(1, ROW_CHUNK_ROWS, ROW_CHUNK_BYTES // (4 * weight.shape[1])))
+    rows = min(len(weight), max(ROW_CHUNK_ROWS, ROW_CHUNK_BYTES // (4 * weight.shape[1])))
     return torch.empty(rows, weight.shape[1], device=weight.device)
 
 
