@@ -60,11 +60,12 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, n_boot: int, seed, root: b
                     confidence: float = CONFIDENCE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(estimate, lo, hi) per row of the ratio sum(num) / sum(den) over items (columns), each resample
     recomputing both sums; sqrt of each when `root`. num and den are paired per item: a per-item difference
-    (patched minus clean on the same input) stays paired in every resample."""
+    (patched minus clean on the same input) stays paired in every resample. The sums are float64 whatever the
+    inputs' dtype (float32 per-item values give the same numbers as their float64 copies)."""
     counts = resample_counts(num.shape[1], n_boot, seed)
     lo, hi = np.empty(len(num)), np.empty(len(num))
     with np.errstate(divide="ignore", invalid="ignore"):
-        estimate = num.sum(1) / den.sum(1)
+        estimate = num.sum(1, dtype=float) / den.sum(1, dtype=float)
         for start in range(0, len(num), _CHUNK):
             part = slice(start, start + _CHUNK)
             lo[part], hi[part] = percentile_interval((num[part] @ counts) / (den[part] @ counts), confidence)

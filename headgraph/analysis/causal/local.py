@@ -264,8 +264,9 @@ def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
 @dataclass(frozen=True)
 class _Sums:
     """Per-input sums the effects are ratios of, filled batch by batch: numerators [pairs, n] of each kind's local
-    effects and (a decoder) attributions, the real queries seeing more than one key and the predicted tokens [n],
-    and every head's squared clean output [L, H, n]."""
+    effects and (a decoder) attributions, float32 as they are computed (held through the stage: on the 1.1B shape
+    at 48 inputs, 227 MB in float64), the real queries seeing more than one key and the predicted tokens [n], and
+    every head's squared clean output [L, H, n]."""
 
     num: dict[str, np.ndarray]
     attributed: dict[str, np.ndarray] | None
@@ -361,8 +362,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
         index[kind] = np.full((L, H, L, net.receivers(kind)), -1)
         index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
     n = sum(len(s) for s in sets)
-    sums = _Sums(num={kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds},
-                 attributed={kind: np.zeros((len(pairs[kind][0]), n)) for kind in kinds}
+    sums = _Sums(num={kind: np.zeros((len(pairs[kind][0]), n), np.float32) for kind in kinds},
+                 attributed={kind: np.zeros((len(pairs[kind][0]), n), np.float32) for kind in kinds}
                  if attribution and net.is_decoder else None,
                  queries=np.zeros(n), predicted=np.zeros(n), outputs=np.zeros((L, H, n)))
     gradients = sums.attributed is not None
