@@ -611,3 +611,19 @@ def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_h
 
 def _windows(events: list, size: int) -> list[tuple]:
     return [tuple(events[i:i + size]) for i in range(len(events) - size + 1)]
+
+
+def test_a_workspace_buffer_is_reused_until_a_step_needs_more_and_its_two_buffers_never_overlap():
+    from headgraph.analysis.causal.local import _Workspace
+
+    like, workspace = torch.zeros(1), _Workspace()
+    first = workspace.take(0, like, 4, 6)
+    other = workspace.take(1, like, 24)
+    assert first.is_contiguous() and first.shape == (4, 6)
+    assert workspace.take(0, like, 2, 3, 4).data_ptr() == first.data_ptr()  # as many: the same memory
+    assert workspace.take(0, like, 5).data_ptr() == first.data_ptr()  # fewer
+    grown = workspace.take(0, like, 25)  # more: a new buffer, the other slot untouched
+    assert grown.numel() == 25 and workspace.take(1, like, 24).data_ptr() == other.data_ptr()
+    ends = [(t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (grown, other)]
+    assert ends[0][1] <= ends[1][0] or ends[1][1] <= ends[0][0]
+    assert workspace.take(0, like.double(), 3).dtype == torch.float64  # another dtype: a buffer of its own

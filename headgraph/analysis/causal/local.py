@@ -4,6 +4,7 @@ the sender's change. All senders of one layer x all receivers of one later layer
 operation; pre-LN models with LayerNorm project the senders' Δz through c(W_O) Γ W (`_FactoredChange`)."""
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,33 @@ def local_weight(net: Net, layer: int, kind: str) -> torch.Tensor:
     (a grouped-query model's products and value changes are formed on its KV heads, and each query head's R
     applied after: `output_change`)."""
     return net.weight(f"W_{kind}", layer)
+
+
+class _Workspace:
+    """Two buffers that one group's patching steps write their largest tensors into, in turn (the rotated changes,
+    the score products, the patched scores and rows: each reads the last one written and writes the other), each
+    grown to the largest step's and reused. A new tensor of tens of MB is a new mapping whose first write faults it
+    in, or comes from glibc's heap and leaves it fragmented until the next `release_freed` (RSS above the bytes in
+    use): on the 1.1B shape cut to 8 layers, 4 inputs a set, the stage took 16.2-16.9 s against 18.5-18.6 s, half
+    the system time. Let go with the group, before the next group's batches are built."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def take(self, slot: int, like: torch.Tensor, *size: int) -> torch.Tensor:
+        """Buffer `slot` (0 or 1) as a contiguous tensor of `size` (like's dtype and device), valid until it is
+        taken again."""
+        count = math.prod(size)
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < count or (buffer.dtype, buffer.device) != (like.dtype, like.device):
+            self.buffers[slot] = None  # the old buffer goes before the new one is allocated
+            buffer = self.buffers[slot] = empty_mapped(like, count)
+        return buffer[:count].view(size)
+
+
+def _take(workspace: _Workspace | None, slot: int, like: torch.Tensor, *size: int) -> torch.Tensor:
+    """`workspace`'s buffer `slot` as `size`, or new memory without one."""
+    return empty_mapped(like, *size) if workspace is None else workspace.take(slot, like, *size)
 
 
 class _FactoredWeights:
@@ -93,44 +121,55 @@ class _FactoredChange:
             self.scales[layer] = (self.dz * inv_new.permute(1, 2, 0)[..., None], inv_new - (var + eps).rsqrt())
         return self.scales[layer]
 
-    def project(self, layer: int, kind: str, mixed: torch.Tensor) -> torch.Tensor:
-        """The change at `layer` through W of `kind`, given their c(W_O) Γ W (`_FactoredWeights.mixed`)."""
+    def project(self, layer: int, kind: str, mixed: torch.Tensor, workspace: _Workspace | None = None
+                ) -> torch.Tensor:
+        """The change [S, b, T, h, f] at `layer` through W of `kind`, given their c(W_O) Γ W [S, e, h, f]
+        (`_FactoredWeights.mixed`); in `workspace`'s buffer 1 where given."""
         dz_over_sigma, inv_change = self._scales(layer)
         if (layer, kind) not in self.clean:  # γ·c(x) W
             self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.weights.scaled(self.clean[layer][0], layer),
                                                    local_weight(self.weights.net, layer, kind))
-        change = torch.einsum("btse,sehf->sbthf", dz_over_sigma, mixed)  # γ·c(Δ) W / σ'
+        b, T, S, _ = dz_over_sigma.shape
+        change = _take(workspace, 1, mixed, S, b, T, *mixed.shape[2:])  # γ·c(Δ) W / σ'
+        torch.matmul(dz_over_sigma.permute(2, 0, 1, 3).flatten(1, 2), mixed.flatten(2), out=change.view(S, b * T, -1))
         return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
 
 
-def patched_pattern(net: Net, recv: Layer, d: torch.Tensor, kind: str, heads: slice) -> torch.Tensor:
+def patched_pattern(net: Net, recv: Layer, d: torch.Tensor, kind: str, heads: slice,
+                    workspace: _Workspace | None = None) -> torch.Tensor:
     """Attention [S, b, h, T, T] of the receiver heads `heads` when only their queries (kind Q) or keys (K)
     change by d [S, b, T, h, e] (the changed input, projected; rotated here as the receiver's are). On a
     grouped-query model `heads` and d's heads are KV heads for K, and the rows are their query heads'. Its memory
     is heads before senders, [b, h, S, T, T], as d's is written (`_heads_first`): the score products, the
     softmax and `attribution`'s product read and write it without a copy (on the 1.1B shape, a Q change's
-    rows and their attribution 40 -> 25 ms)."""
+    rows and their attribution 40 -> 25 ms). With a `workspace`, every tensor of it is written into its buffers:
+    the rows are valid until the next call."""
     S, b, T, h, e = d.shape
-    d = _heads_first(recv.rotary, d)  # [b, h, S, T, e]
+    d = _heads_first(recv.rotary, d, workspace)  # [b, h, S, T, e], in buffer 0
     if kind == "Q":  # the score scale on the small clean side, the clean scores added in place
         k = (recv.k[:, :, heads] * net.scale).permute(0, 2, 3, 1)
-        scores = torch.matmul(d.flatten(2, 3), k).view(b, h, S, T, T)
-        scores.add_(recv.scores[:, heads, None])
+        scores = torch.matmul(d.flatten(2, 3), k, out=_take(workspace, 1, d, b, h, S * T, T))
+        scores = scores.view(b, h, S, T, T).add_(recv.scores[:, heads, None])
     else:  # each KV head's change read by the queries of its group: [b, h, G T, S T], G query heads per KV head
         G = net.kv_group
         heads = slice(*(None if end is None else end * G for end in (heads.start, heads.stop)))
         q = (recv.q[:, :, heads] * net.scale).unflatten(2, (h, G)).permute(0, 2, 3, 1, 4).flatten(2, 3)
-        change = torch.matmul(q, d.flatten(2, 3).transpose(-1, -2)).view(b, h, G, T, S, T)
-        scores = empty_mapped(d, b, h * G, S, T, T)
-        torch.add(change.permute(0, 1, 2, 4, 3, 5), recv.scores[:, heads, None].unflatten(1, (h, G)),
-                  out=scores.view(b, h, G, S, T, T))
-    return torch.softmax(scores, -1).permute(2, 0, 1, 3, 4)
+        change = torch.matmul(q, d.flatten(2, 3).transpose(-1, -2), out=_take(workspace, 1, d, b, h, G * T, S * T))
+        scores = _take(workspace, 0, d, b, h * G, S, T, T)
+        torch.add(change.view(b, h, G, T, S, T).permute(0, 1, 2, 4, 3, 5),
+                  recv.scores[:, heads, None].unflatten(1, (h, G)), out=scores.view(b, h, G, S, T, T))
+    # into the buffer the scores are not in; torch.softmax has no out= (aten's has: in place it would copy
+    # through a temporary, twice the time)
+    rows = _take(workspace, int(kind != "Q"), scores, *scores.shape)
+    return torch.ops.aten._softmax.out(scores, -1, False, out=rows).permute(2, 0, 1, 3, 4)
 
 
-def _heads_first(rotary: tuple[torch.Tensor, torch.Tensor] | None, d: torch.Tensor) -> torch.Tensor:
-    """d [S, b, T, h, e] rotated (`rotate`) into memory laid out [b, h, S, T, e] (`empty_mapped`), returned so."""
+def _heads_first(rotary: tuple[torch.Tensor, torch.Tensor] | None, d: torch.Tensor,
+                 workspace: _Workspace | None = None) -> torch.Tensor:
+    """d [S, b, T, h, e] rotated (`rotate`) into memory laid out [b, h, S, T, e] (`workspace`'s, else
+    `empty_mapped`), returned so."""
     S, b, T, h, e = d.shape
-    out = empty_mapped(d, b, h, S, T, e)
+    out = _take(workspace, 0, d, b, h, S, T, e)
     rotated = out.permute(2, 0, 3, 1, 4)
     if rotary is None:
         rotated.copy_(d)
@@ -145,16 +184,19 @@ def value_change(recv: Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
     return torch.einsum("bhqk,sbkhe->sbqhe", recv.pattern[:, heads], dv)
 
 
-def output_change(net: Net, recv: Layer, dv: torch.Tensor) -> torch.Tensor:
+def output_change(net: Net, recv: Layer, dv: torch.Tensor, workspace: _Workspace | None = None) -> torch.Tensor:
     """Δz R [S, b, T, H, e] of every query head of a receiver layer when only the values of its KV heads change
     by dv [S, b, T, KV, e] (the changed input, projected through W_V): ||Δz R|| = ||Δz W_O||, each query head
     reading its KV head's change through its own attention row. Its memory is [b, H, T, S, e], as the two
     products write it (per input and KV head: A of the group's query heads [G T, T] times dv [T, S e]; per
-    input and head: times R), so that neither copies its result."""
+    input and head: times R), so that neither copies its result; into `workspace`'s buffers where given."""
     S, b, T, KV, e = dv.shape
     values = dv.permute(1, 3, 2, 0, 4).reshape(b, KV, T, S * e)
-    dz = torch.matmul(recv.pattern.view(b, KV, -1, T), values).view(b, -1, T * S, e)  # [b, H, T S, e]
-    return torch.matmul(dz, net.out_root[recv.layer]).view(b, -1, T, S, e).permute(3, 0, 2, 1, 4)
+    H = recv.pattern.shape[1]
+    dz = torch.matmul(recv.pattern.view(b, KV, -1, T), values,
+                      out=_take(workspace, 0, dv, b, KV, H // KV * T, S * e)).view(b, H, T * S, e)
+    out = torch.matmul(dz, net.out_root[recv.layer], out=_take(workspace, 1, dv, b, H, T * S, e))
+    return out.view(b, H, T, S, e).permute(3, 0, 2, 1, 4)
 
 
 def _squared_outputs(net: Net, layer: int, z: torch.Tensor) -> torch.Tensor:
@@ -169,17 +211,18 @@ def _attribution(batch: Batch, layer: int, change: torch.Tensor, kind: str) -> t
     return None if batch.grads is None else attribution(batch.grads[layer], change, kind)
 
 
-def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str
+def _local_sums(net: Net, batch: Batch, recv: Layer, layer: int, d: torch.Tensor, kind: str, workspace: _Workspace
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-input numerator [S, R, b] of the local effect of the senders behind d (their input change projected
     through `local_weight` [S, b, T, h, e], of kind `kind`) on every receiver (R query heads for Q, KV heads
-    for K/V, summed over the query heads that read each), and of its attribution."""
+    for K/V, summed over the query heads that read each), and of its attribution; the patched rows or outputs in
+    `workspace`."""
     if kind == "V":  # r's z changes by Δz, its output by Δz R: ||Δz R||² = ||Δz W_O||²
         attr = None if batch.grads is None else value_attribution(batch.grads[layer], d)
-        change = output_change(net, recv, d).pow_(2).sum(-1)
+        change = output_change(net, recv, d, workspace).pow_(2).sum(-1)
         sums = (change * batch.real[:, :, None]).sum(2).transpose(1, 2)
     else:
-        moved = patched_pattern(net, recv, d, kind, slice(None)).sub_(recv.pattern)
+        moved = patched_pattern(net, recv, d, kind, slice(None), workspace).sub_(recv.pattern)
         attr = _attribution(batch, layer, moved, kind)
         tv = moved.abs_().sum(-1).mul_(0.5)
         sums = (tv * batch.queries[:, None]).sum(-1).transpose(1, 2)
@@ -279,7 +322,8 @@ def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: i
                  weights: "_FactoredWeights | None", index: dict[str, np.ndarray], sums: _Sums) -> None:
     """Patch every sender into every later receiver layer on each batch of `group` (with its receiver layers),
     `chunk` senders per step, writing each pair's per-input sums into `sums` at the rows `index` gives; with
-    `weights` (a pre-LN model, `_FactoredChange`), each c(W_O) Γ W is formed once for the group."""
+    `weights` (a pre-LN model, `_FactoredChange`), each c(W_O) Γ W is formed once for the group. The steps write
+    their projected changes and patched rows into one `_Workspace`, let go with the group."""
     L, H = net.n_layers, net.n_heads
     for batch, receivers in group:
         sums.queries[batch.rows] = batch.queries.sum(-1).cpu().numpy()
@@ -287,7 +331,7 @@ def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: i
         for l, recv in receivers.items():
             z = recv.z if net.z_offset is None else recv.z - net.z_offset[l]
             sums.outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
-    clean = [{} for _ in group]
+    clean, workspace = [{} for _ in group], _Workspace()
     for sender_layer in range(L - 1):
         release_freed()  # the last sender layer's patched rows, freed out of order (1.1B shape: 5.46 -> 5.01 GiB peak)
         for first in range(0, H, chunk):
@@ -311,9 +355,9 @@ def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: i
                         if net.local_path == "module":
                             found, attr = _module_sums(net, batch, receivers[layer], changed[i], kind)
                         else:
-                            d = (factored[i].project(layer, kind, mixed) if factored is not None
+                            d = (factored[i].project(layer, kind, mixed, workspace) if factored is not None
                                  else project(changed[i], local_weight(net, layer, kind)))
-                            found, attr = _local_sums(net, batch, receivers[layer], layer, d, kind)
+                            found, attr = _local_sums(net, batch, receivers[layer], layer, d, kind, workspace)
                         sums.num[kind][rows, batch.rows] = found.cpu()
                         if attr is not None:
                             sums.attributed[kind][rows, batch.rows] = attr.cpu()
