@@ -59,11 +59,6 @@ class _Workspace:
         return buffer[:count].view(size)
 
 
-def _take(workspace: _Workspace | None, slot: int, like: torch.Tensor, *size: int) -> torch.Tensor:
-    """`workspace`'s buffer `slot` as `size`, or new memory without one."""
-    return empty_mapped(like, *size) if workspace is None else workspace.take(slot, like, *size)
-
-
 class _FactoredWeights:
     """What `_FactoredChange` needs of the weights, the same for every batch: γ of each receiver layer's ln1 (None
     for a norm without a weight), and c(W_O[s]) Γ W [S, e, h, e] per (sender layer, sender heads, receiver layer,
@@ -122,16 +117,15 @@ class _FactoredChange:
             self.scales[layer] = (self.dz * inv_new.permute(1, 2, 0)[..., None], inv_new - (var + eps).rsqrt())
         return self.scales[layer]
 
-    def project(self, layer: int, kind: str, mixed: torch.Tensor, workspace: _Workspace | None = None
-                ) -> torch.Tensor:
+    def project(self, layer: int, kind: str, mixed: torch.Tensor, workspace: _Workspace) -> torch.Tensor:
         """The change [S, b, T, h, f] at `layer` through W of `kind`, given their c(W_O) Γ W [S, e, h, f]
-        (`_FactoredWeights.mixed`); in `workspace`'s buffer 1 where given."""
+        (`_FactoredWeights.mixed`), in `workspace`'s buffer 1."""
         dz_over_sigma, inv_change = self._scales(layer)
         if (layer, kind) not in self.clean:  # γ·c(x) W
             self.clean[layer, kind] = torch.einsum("btd,hde->bthe", self.weights.scaled(self.clean[layer][0], layer),
                                                    local_weight(self.weights.net, layer, kind))
         b, T, S, _ = dz_over_sigma.shape
-        change = _take(workspace, 1, mixed, S, b, T, *mixed.shape[2:])  # γ·c(Δ) W / σ'
+        change = workspace.take(1, mixed, S, b, T, *mixed.shape[2:])  # γ·c(Δ) W / σ'
         torch.matmul(dz_over_sigma.permute(2, 0, 1, 3).flatten(1, 2), mixed.flatten(2), out=change.view(S, b * T, -1))
         return change.addcmul_(inv_change[..., None, None], self.clean[layer, kind])
 
@@ -143,34 +137,35 @@ def patched_pattern(net: Net, recv: Layer, d: torch.Tensor, kind: str, heads: sl
     grouped-query model `heads` and d's heads are KV heads for K, and the rows are their query heads'. Its memory
     is heads before senders, [b, h, S, T, T], as d's is written (`_heads_first`): the score products, the
     softmax and `attribution`'s product read and write it without a copy (on the 1.1B shape, a Q change's
-    rows and their attribution 40 -> 25 ms). With a `workspace`, every tensor of it is written into its buffers:
-    the rows are valid until the next call."""
+    rows and their attribution 40 -> 25 ms). Every tensor of it is written into `workspace`'s buffers (a new one
+    if None): the rows are valid until it is used again."""
     S, b, T, h, e = d.shape
+    workspace = _Workspace() if workspace is None else workspace
     d = _heads_first(recv.rotary, d, workspace)  # [b, h, S, T, e], in buffer 0
     if kind == "Q":  # the score scale on the small clean side, the clean scores added in place
         k = (recv.k[:, :, heads] * net.scale).permute(0, 2, 3, 1)
-        scores = torch.matmul(d.flatten(2, 3), k, out=_take(workspace, 1, d, b, h, S * T, T))
+        scores = torch.matmul(d.flatten(2, 3), k, out=workspace.take(1, d, b, h, S * T, T))
         scores = scores.view(b, h, S, T, T).add_(recv.scores[:, heads, None])
     else:  # each KV head's change read by the queries of its group: [b, h, G T, S T], G query heads per KV head
         G = net.kv_group
         heads = slice(*(None if end is None else end * G for end in (heads.start, heads.stop)))
         q = (recv.q[:, :, heads] * net.scale).unflatten(2, (h, G)).permute(0, 2, 3, 1, 4).flatten(2, 3)
-        change = torch.matmul(q, d.flatten(2, 3).transpose(-1, -2), out=_take(workspace, 1, d, b, h, G * T, S * T))
-        scores = _take(workspace, 0, d, b, h * G, S, T, T)
+        change = torch.matmul(q, d.flatten(2, 3).transpose(-1, -2), out=workspace.take(1, d, b, h, G * T, S * T))
+        scores = workspace.take(0, d, b, h * G, S, T, T)
         torch.add(change.view(b, h, G, T, S, T).permute(0, 1, 2, 4, 3, 5),
                   recv.scores[:, heads, None].unflatten(1, (h, G)), out=scores.view(b, h, G, S, T, T))
     # into the buffer the scores are not in; torch.softmax has no out= (aten's has: in place it would copy
     # through a temporary, twice the time)
-    rows = _take(workspace, int(kind != "Q"), scores, *scores.shape)
+    rows = workspace.take(int(kind != "Q"), scores, *scores.shape)
     return torch.ops.aten._softmax.out(scores, -1, False, out=rows).permute(2, 0, 1, 3, 4)
 
 
-def _heads_first(rotary: tuple[torch.Tensor, torch.Tensor] | None, d: torch.Tensor,
-                 workspace: _Workspace | None = None) -> torch.Tensor:
-    """d [S, b, T, h, e] rotated (`rotate`) into memory laid out [b, h, S, T, e] (`workspace`'s, else
-    `empty_mapped`), returned so."""
+def _heads_first(rotary: tuple[torch.Tensor, torch.Tensor] | None, d: torch.Tensor, workspace: _Workspace
+                 ) -> torch.Tensor:
+    """d [S, b, T, h, e] rotated (`rotate`) into memory laid out [b, h, S, T, e] (`workspace`'s buffer 0),
+    returned so."""
     S, b, T, h, e = d.shape
-    out = _take(workspace, 0, d, b, h, S, T, e)
+    out = workspace.take(0, d, b, h, S, T, e)
     rotated = out.permute(2, 0, 3, 1, 4)
     if rotary is None:
         rotated.copy_(d)
@@ -185,18 +180,18 @@ def value_change(recv: Layer, dv: torch.Tensor, heads: slice) -> torch.Tensor:
     return torch.einsum("bhqk,sbkhe->sbqhe", recv.pattern[:, heads], dv)
 
 
-def output_change(net: Net, recv: Layer, dv: torch.Tensor, workspace: _Workspace | None = None) -> torch.Tensor:
+def output_change(net: Net, recv: Layer, dv: torch.Tensor, workspace: _Workspace) -> torch.Tensor:
     """Δz R [S, b, T, H, e] of every query head of a receiver layer when only the values of its KV heads change
     by dv [S, b, T, KV, e] (the changed input, projected through W_V): ||Δz R|| = ||Δz W_O||, each query head
     reading its KV head's change through its own attention row. Its memory is [b, H, T, S, e], as the two
     products write it (per input and KV head: A of the group's query heads [G T, T] times dv [T, S e]; per
-    input and head: times R), so that neither copies its result; into `workspace`'s buffers where given."""
+    input and head: times R), so that neither copies its result; into `workspace`'s buffers."""
     S, b, T, KV, e = dv.shape
     values = dv.permute(1, 3, 2, 0, 4).reshape(b, KV, T, S * e)
     H = recv.pattern.shape[1]
     dz = torch.matmul(recv.pattern.view(b, KV, -1, T), values,
-                      out=_take(workspace, 0, dv, b, KV, H // KV * T, S * e)).view(b, H, T * S, e)
-    out = torch.matmul(dz, net.out_root[recv.layer], out=_take(workspace, 1, dv, b, H, T * S, e))
+                      out=workspace.take(0, dv, b, KV, H // KV * T, S * e)).view(b, H, T * S, e)
+    out = torch.matmul(dz, net.out_root[recv.layer], out=workspace.take(1, dv, b, H, T * S, e))
     return out.view(b, H, T, S, e).permute(3, 0, 2, 1, 4)
 
 
