@@ -568,32 +568,6 @@ def test_loss_logits_in_a_reused_buffer_equal_the_bridges_own(planted_key_path, 
     pd.testing.assert_frame_equal(buffered, bridges, rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_loss_passes_keep_a_layers_widest_activation_within_the_mmap_threshold(planted_key_path, monkeypatch):
-    """On the CPU a loss pass takes only as many copies as keep a layer's widest activation (the MLP's hidden layer
-    over all its rows) within glibc's mmap threshold, and narrower passes give the same effects."""
-    model = loaded(planted_key_path[0], "tl")
-    inputs = repeated_token_inputs(model.tokenizer, 6, seed=3, length=8)
-    edges = pd.DataFrame({"source": ["L0H0", "L0H1", "L0H2", "L1H2", "L1H0"],
-                          "target": ["L1H1", "L2H0", "L1H3", "L2H3", "L2H1"],
-                          "source_type": "O", "target_type": ["Q", "K", "V", "V", "Q"]})
-    row_bytes = 4 * max(model.bridge.cfg.d_model, model.bridge.cfg.d_mlp)
-    rows = []
-    handle = model.bridge.blocks[-1].mlp.register_forward_hook(
-        lambda module, args, out: rows.append(out.shape[0] * out.shape[1]))
-    try:
-        wide = C.loss_effects(model, inputs, edges, n_boot=20, seed=1)
-        wide_rows, passes = max(rows), len(rows)
-        rows.clear()
-        threshold = wide_rows // 2 * row_bytes
-        monkeypatch.setattr(causal_loss, "MAPPED_BYTES", threshold)
-        narrow = C.loss_effects(model, inputs, edges, n_boot=20, seed=1)
-    finally:
-        handle.remove()
-    assert max(rows) * row_bytes <= threshold < wide_rows * row_bytes and len(rows) > passes
-    pd.testing.assert_frame_equal(narrow, wide, rtol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_token_losses_by_vocabulary_chunks_equal_cross_entropy_and_its_gradient(dtype, monkeypatch):
     monkeypatch.setattr(heap, "ROW_CHUNK_BYTES", 7 * 16 * 4)  # 30 tokens: 5 chunks of a bf16 weight, the last short

@@ -18,7 +18,7 @@ from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_S
                                                carry, check_counts, coupled, input_change, network, patched_attention,
                                                plain_unembed, progress_advance, project, receiver_layer, releasing,
                                                sender_writes, stop_pass, unembed)
-from headgraph.analysis.heap import MAPPED_BYTES, release_freed
+from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs
 from headgraph.analysis.prompts import TokenInputs
@@ -164,20 +164,10 @@ def _grown_rows(module, args, kwargs):
 def _copies_per_pass(net: Net, length: int, max_memory: int) -> int:
     """Patched copies of one input of `length` tokens per forward pass (besides its clean row) so that its widest
     activations (the logits and logsumexp's temporary, or the MLP's 4 d_model, float32) stay within max_memory
-    bytes; on the CPU, also so that a layer's widest activation (the MLP's hidden layer or the residual, float32,
-    every row of the pass) stays within glibc's largest mmap threshold (MAPPED_BYTES). Above it, every such
-    activation is a new mapping that its first write faults in 4 KiB at a time; within it, a layer's activations
-    reuse the heap that the layers before freed. The rows before the first copy joins run once per pass, so more
-    passes cost few FLOPs: on the 1.1B shape cut to 8 layers (180 edges, 4 inputs a set; up to 321 copies a pass,
-    73 so capped) the loss effects peaked at 2.55-2.60 GiB of RSS against 3.44-3.58, in 9-11 s of system time
-    against 13-29 s (wall times, 77-81 s against 72-114 s, varied too much on that VM to rank them)."""
-    cfg = net.bridge.cfg
-    width = cfg.d_vocab * 2 if net.is_decoder else 4 * cfg.d_model
-    copies = max_memory // (4 * length * (width + 8 * cfg.d_model)) - 1
-    if torch.device(cfg.device).type == "cpu":
-        widest = max(cfg.d_model, getattr(cfg, "d_mlp", None) or 0)
-        copies = min(copies, MAPPED_BYTES // (4 * length * widest) - 1)
-    return max(1, copies)
+    bytes."""
+    d = net.bridge.cfg.d_model
+    width = net.bridge.cfg.d_vocab * 2 if net.is_decoder else 4 * d
+    return max(1, max_memory // (4 * length * (width + 8 * d)) - 1)
 
 
 def _token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
