@@ -37,6 +37,7 @@ import io
 import json
 import os
 import re
+import socket
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -421,6 +422,7 @@ def _ray_cluster(address: str) -> Iterator[Any]:
         import ray
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'headgraph[ray]'") from None
+    _answering(address)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as e:  # RayError: a missing token
@@ -431,6 +433,20 @@ def _ray_cluster(address: str) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _answering(address: str) -> None:
+    """UsageError when `address` is HOST:PORT and nothing there accepts a connection: Ray's own client would
+    wait for that GCS for minutes, printing warnings. Other addresses ("auto", "local", ray://) are Ray's to
+    resolve."""
+    host, colon, port = address.rpartition(":")
+    if not colon or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise UsageError(f"cannot reach the Ray cluster at --ray {address}: nothing accepts connections there "
+                         f"({e.strerror or type(e).__name__}); is its head running (ray start --head)?") from None
 
 
 def _on_ray(jobs: list[tuple[Checkpoint, AnalyzeOptions]], links: Path, ray: Any) -> Iterator[Finished]:

@@ -7,13 +7,13 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 
 import networkx as nx
 import pandas as pd
 import pytest
 from _cli import run_cli
+from _ports import unclaimed_port
 
 from headgraph.analysis.centrality import hub_report
 from headgraph.analysis.network import head_network
@@ -183,16 +183,10 @@ def test_neo4j_import_csvs_have_typed_headers_ids_labels_and_the_graph(run_dir, 
         assert same(float(row["pk:double"]), data["pk"]) and row["rank:long"] == str(data["rank"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def import_server(tmp_path):
-    """A LocalServer of this test's own: a fresh home whose lib/ is the assembled home's (symlinked), on free
-    ports (not the session server's 7687 / 7474), never started yet."""
+    """A LocalServer of this test's own: a fresh home whose lib/ is the assembled home's (symlinked), on ports
+    of its own (tests/_ports.py; not the session server's 7687 / 7474), never started yet."""
     assembled = LocalServer.from_env()
     assemble(assembled)
     home = tmp_path / "neo4j-home"
@@ -200,8 +194,8 @@ def import_server(tmp_path):
         (home / folder).mkdir(parents=True)
     (home / "lib").symlink_to(assembled.lib, target_is_directory=True)
     shutil.copy(assembled.home / "assembled.json", home)
-    server = LocalServer(home.resolve(), bolt_port=_free_port(), http_port=_free_port(), assets_port=_free_port(),
-                         password="headgraph-export-test")
+    server = LocalServer(home.resolve(), bolt_port=unclaimed_port(), http_port=unclaimed_port(),
+                         assets_port=unclaimed_port(), password="headgraph-export-test")
     yield server
     stop(server, log=lambda message: None)
 

@@ -8,7 +8,6 @@ scripts/test installs."""
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import NamedTuple
 import pytest
 from _commands import headgraph
 from _doomed import doomed_worker_env
+from _ports import unclaimed_port
 
 from headgraph.loader.ladybug_store import LadybugStore
 
@@ -25,12 +25,6 @@ pytestmark = pytest.mark.slow  # a real Ray head and its workers
 MODELS = ["induction-2l-step2000", "induction-2l-step3000", "induction-2l-step4000"]
 SMALL = ["--no-report", "--null-heads", "8", "--reference-samples", "500", "--n-inputs", "16", "--causal-n", "8"]
 VOLATILE = {"key", "run_id", "_label"}  # differ between two stores of the same content: ids and labels
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster(NamedTuple):
@@ -45,7 +39,7 @@ def cluster(tmp_path_factory):
     authentication and a token of its own (Ray 2.60 turns it on only where it finds a token, such as one a
     local `ray.init()` left in ~/.ray, so the test sets both, for the head and its clients); its workers carry
     the doomed-worker hook (tests/_doomed.py)."""
-    port, log = _free_port(), tmp_path_factory.mktemp("ray") / "head.log"
+    port, log = unclaimed_port(), tmp_path_factory.mktemp("ray") / "head.log"
     ray_cli = Path(sys.executable).with_name("ray")
     doomed, hooks = doomed_worker_env(tmp_path_factory.mktemp("hooks"))
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -54,7 +48,7 @@ def cluster(tmp_path_factory):
     env = {**os.environ, **hooks, **auth, "OMP_NUM_THREADS": "1", "RAY_worker_niceness": "0"}
     with log.open("w") as out:
         head = subprocess.Popen([str(ray_cli), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                                 f"--ray-client-server-port={_free_port()}", "--num-cpus=2",
+                                 f"--ray-client-server-port={unclaimed_port()}", "--num-cpus=2",
                                  "--include-dashboard=false", "--disable-usage-stats", "--block"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -144,3 +138,14 @@ def test_a_client_without_the_clusters_token_is_one_line_exit_2_and_stores_nothi
     assert done.stderr.startswith(f"error: cannot reach the Ray cluster at --ray {cluster.address}: "), done.stderr
     assert len(done.stderr.splitlines()) == 1 and "RAY_AUTH_TOKEN" in done.stderr, done.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "s.lbdb").exists()  # refused before any write
+
+
+def test_an_address_where_nothing_listens_is_one_line_exit_2_within_seconds_and_stores_nothing(tmp_path):
+    """Ray's own client waits minutes for a GCS that is not there (the timeout here fails that wait)."""
+    address = f"127.0.0.1:{unclaimed_port()}"  # nothing listens: the port is free and no server is given it
+    done = headgraph("sweep", MODELS[0], "--ray", address, "--db", str(tmp_path / "s.lbdb"), "--out",
+                     str(tmp_path / "runs"), *SMALL, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"error: cannot reach the Ray cluster at --ray {address}: nothing accepts connections "
+                           "there (Connection refused); is its head running (ray start --head)?\n")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "s.lbdb").exists()
