@@ -6,7 +6,6 @@ The explored run is produced the way a user produces one: `headgraph analyze` on
 pairs.parquet (its top-k selection recomputed here with pandas), never from the store."""
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import neo4j
 import networkx as nx
 import pandas as pd
 import pytest
+from _ports import unclaimed_port
 
 import headgraph
 from headgraph.loader.open_store import StoreSpec
@@ -112,9 +112,7 @@ def test_the_style_parses_like_browser_and_colours_edges_like_the_figures():
 
 @pytest.fixture(scope="module")
 def assets_server():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = unclaimed_port()
     process = subprocess.Popen([sys.executable, "-m", "headgraph.neo4j_local.browser.assets_server", "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
