@@ -422,7 +422,7 @@ def _ray_cluster(address: str) -> Iterator[Any]:
         import ray
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'headgraph[ray]'") from None
-    _answering(address)
+    _answering(address, ray)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as e:  # RayError: a missing token
@@ -435,17 +435,24 @@ def _ray_cluster(address: str) -> Iterator[Any]:
         ray.shutdown()
 
 
-def _answering(address: str) -> None:
-    """UsageError when `address` is HOST:PORT and nothing there accepts a connection: Ray's own client would
-    wait for that GCS for minutes, printing warnings. Other addresses ("auto", "local", ray://) are Ray's to
-    resolve."""
-    host, colon, port = address.rpartition(":")
-    if not colon or "://" in address or not port.isdigit():
+def _answering(address: str, ray: Any) -> None:
+    """UsageError when `address` names a HOST:PORT (itself, or "auto": RAY_ADDRESS or the last `ray start` of
+    this machine, as Ray finds it) where nothing accepts a connection: Ray's own client would wait for that GCS
+    for minutes, printing warnings. Ray resolves the rest ("local", ray://, "auto" finding no cluster) itself."""
+    if "://" in address:
+        return
+    try:  # Ray's own reading of the address (not public API: where it fails, ray.init reads it)
+        found = ray._private.services.canonicalize_bootstrap_address(address)
+    except Exception:  # noqa: BLE001 - ray.init raises on the address itself
+        return
+    host, colon, port = (found or "").rpartition(":")
+    if not colon or not port.isdigit():
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as e:
-        raise UsageError(f"cannot reach the Ray cluster at --ray {address}: nothing accepts connections there "
+        where = f"auto ({found})" if address == "auto" else address  # not Ray's own name for localhost
+        raise UsageError(f"cannot reach the Ray cluster at --ray {where}: nothing accepts connections there "
                          f"({e.strerror or type(e).__name__}); is its head running (ray start --head)?") from None
 
 

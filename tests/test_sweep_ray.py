@@ -140,12 +140,18 @@ def test_a_client_without_the_clusters_token_is_one_line_exit_2_and_stores_nothi
     assert not (tmp_path / "runs").exists() and not (tmp_path / "s.lbdb").exists()  # refused before any write
 
 
-def test_an_address_where_nothing_listens_is_one_line_exit_2_within_seconds_and_stores_nothing(tmp_path):
-    """Ray's own client waits minutes for a GCS that is not there (the timeout here fails that wait)."""
+@pytest.mark.parametrize("given", ["HOST:PORT", "auto"])
+def test_an_address_where_nothing_listens_is_one_line_exit_2_within_seconds_and_stores_nothing(tmp_path, given):
+    """HOST:PORT itself, or found by "auto" in RAY_ADDRESS as Ray reads it: Ray's own client waits minutes for a
+    GCS that is not there (the timeout here fails that wait)."""
     address = f"127.0.0.1:{unclaimed_port()}"  # nothing listens: the port is free and no server is given it
-    done = headgraph("sweep", MODELS[0], "--ray", address, "--db", str(tmp_path / "s.lbdb"), "--out",
-                     str(tmp_path / "runs"), *SMALL, timeout=60)
+    argv = ["sweep", MODELS[0], "--ray", address if given == "HOST:PORT" else "auto", "--db", str(tmp_path / "s.lbdb"),
+            "--out", str(tmp_path / "runs"), *SMALL]
+    done = headgraph(*argv, env={"RAY_ADDRESS": address} if given == "auto" else None, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert done.stderr == (f"error: cannot reach the Ray cluster at --ray {address}: nothing accepts connections "
-                           "there (Connection refused); is its head running (ray start --head)?\n")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    where = address if given == "HOST:PORT" else "auto ("
+    assert done.stderr.startswith(f"error: cannot reach the Ray cluster at --ray {where}"), done.stderr
+    assert done.stderr.endswith(": nothing accepts connections there (Connection refused); is its head running "
+                                "(ray start --head)?\n"), done.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "s.lbdb").exists()
