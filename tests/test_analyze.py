@@ -4,6 +4,11 @@ random-init model without discoveries, options, and one-line errors."""
 import dataclasses
 import json
 import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,6 +23,8 @@ from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
 from headgraph.pipeline import compute_pk
 from headgraph.runs import RoleRecord, load_run, write_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Its own settings, not tests/_fast.py's: these tests judge significance (q_model of planted and random pairs),
 # so the null is 120 heads per type (14,400 null pairs) rather than 20, and the reference 20,000 samples.
@@ -181,6 +188,28 @@ def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_
     run = json.loads((tmp_path / "r" / "run.json").read_text())
     assert run["types"] == ["OQ", "OK"] and run["max_memory"] == 64 * 2**20
     assert "KL(random || observed) in nats" in out and "OK" in out
+
+
+def test_the_readmes_main_job_runs_as_written_on_the_embedded_default(tmp_path):
+    """The README's first set-up command after its install, read from the README and run in a fresh process in an
+    empty folder (no store chosen: the embedded default) on the offline all-MiniLM-L6-v2, whose safetensors hold
+    an int64 buffer (embeddings.position_ids) beside its float32 parameters: a complete run, stored and reported."""
+    from headgraph.loader.ladybug_store import LadybugStore
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Set up", 1)[1].split("```", 2)[1]
+    command = shlex.split(block.strip().split("&&")[-1])
+    assert command[:2] == ["headgraph", "analyze"], block
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_") and k != "HEADGRAPH_DB"}
+    done = subprocess.run([sys.executable, "-m", "headgraph", *command[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    (folder,) = (tmp_path / "runs").iterdir()
+    run = json.loads((folder / "run.json").read_text())
+    assert run["engine"]["weights"]["stored_dtypes"] == ["F32"] and (folder / "report.html").exists()
+    with LadybugStore(tmp_path / "headgraph.lbdb", read_only=True) as store:
+        runs = store.read("MATCH (r:Run) RETURN r.model AS model, r.status AS status").records()
+    assert runs == [{"model": "all-MiniLM-L6-v2", "status": "complete"}]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -44,7 +44,8 @@ HEAD_WEIGHTS = ("W_Q", "W_K", "W_V", "W_O")
 @dataclass(frozen=True)
 class Shards:
     """Where each tensor of a checkpoint is (tensor name -> shard file) and its stored dtype, every shard's header
-    checked: a missing or truncated shard, or a dtype torch cannot compute in, is BadWeights before any work."""
+    checked: a missing or truncated shard is BadWeights before any work (and so, judged per parameter when the
+    model's parameters are known, is a dtype headgraph cannot compute in: _check_names_and_shapes)."""
 
     folder: Path
     files: dict[str, Path]
@@ -151,7 +152,7 @@ class StreamedModel:
     shards: Shards = field(repr=False)
     skeleton: Any = field(repr=False)  # the weightless bridge
     holders: dict[str, tuple[torch.nn.Module, str]] = field(repr=False)  # checkpoint name -> (module, attribute)
-    stored_dtypes: tuple[str, ...] = ()
+    stored_dtypes: tuple[str, ...] = ()  # those of the parameters' tensors, e.g. ("BF16",)
     _may_load: bool = field(default=False, repr=False)
     _tokenizer_given: Any = field(default=None, repr=False)
     _forward: Any = field(default=None, repr=False)  # the raw checkpoint's bridge, for forward passes
@@ -168,9 +169,9 @@ class StreamedModel:
 
     @property
     def patterns_dtype(self) -> torch.dtype:
-        """The dtype the forward passes hold the weight matrices in: the checkpoint's when all its floating tensors
-        are bf16 or all float16, else float32."""
-        stored = set(self.stored_dtypes) & set(COMPUTABLE)
+        """The dtype the forward passes hold the weight matrices in: the checkpoint's when all its parameters are
+        bf16 or all float16, else float32."""
+        stored = set(self.stored_dtypes)
         return COMPUTABLE[stored.pop()] if stored in ({"BF16"}, {"F16"}) else torch.float32
 
     def _raw_bridge(self):
@@ -296,10 +297,12 @@ def _checked(weights: dict[str, torch.Tensor], layer: int, cfg: dict, folder: Pa
     return weights
 
 
-def _check_names_and_shapes(shards: Shards, holders: dict, skeleton, blocks: str) -> None:
+def _check_names_and_shapes(shards: Shards, holders: dict, skeleton, blocks: str) -> dict[str, str]:
     """What load_model's from_pretrained checks, from the shards' headers: every tensor of the base model present
-    (a task head outside it may be missing: from_pretrained initialises it) with the config's shape; the tensors
-    outside the layers read and checked finite here, one at a time."""
+    (a task head outside it may be missing: from_pretrained initialises it) with the config's shape and a dtype
+    headgraph computes in (integer buffers beside the parameters, such as BERT's position_ids, are not read);
+    the tensors outside the layers read and checked finite here, one at a time. {parameter: its name in the
+    shards}."""
     prefix = skeleton.base_model_prefix
     stored = {}
     for name in holders:
@@ -314,7 +317,14 @@ def _check_names_and_shapes(shards: Shards, holders: dict, skeleton, blocks: str
         if shards.shapes[found] != expected:
             raise BadWeights(f"weights in '{shards.folder}' do not match the config: {found} has shape "
                              f"{shards.shapes[found]}, expected {expected}")
+    bad = sorted({shards.dtypes[found] for found in stored.values()} - set(COMPUTABLE))
+    if bad:
+        example = next(found for found in stored.values() if shards.dtypes[found] == bad[0])
+        raise BadWeights(f"weights in '{shards.folder}' are stored as {', '.join(bad)} (e.g. {example}), which "
+                         f"headgraph cannot compute in: it reads {', '.join(COMPUTABLE)} and computes in float32; "
+                         "dequantize the checkpoint first")
     shards.check_finite([stored[n] for n in stored if not n.startswith(blocks + ".")])
+    return stored
 
 
 def open_streamed(folder: Path, name: str, processing: str, device: str, tokenizer=None) -> StreamedModel:
@@ -329,12 +339,6 @@ def open_streamed(folder: Path, name: str, processing: str, device: str, tokeniz
     from headgraph.loader.models import check_attention_implementation, check_head_counts, model_dims, quiet
 
     shards = checkpoint_shards(folder)
-    bad = sorted({d for d in shards.dtypes.values() if d not in COMPUTABLE})
-    if bad:
-        example = next(n for n, d in shards.dtypes.items() if d == bad[0])
-        raise BadWeights(f"weights in '{folder}' are stored as {', '.join(bad)} (e.g. {example}), which headgraph "
-                         f"cannot compute in: it reads {', '.join(COMPUTABLE)} and computes in float32; "
-                         "dequantize the checkpoint first")
     try:
         check_attention_implementation(json.loads((folder / "config.json").read_text()), folder)
         config = AutoConfig.from_pretrained(str(folder), output_attentions=True, attn_implementation="eager",
@@ -361,12 +365,12 @@ def open_streamed(folder: Path, name: str, processing: str, device: str, tokeniz
         except Exception as e:  # noqa: BLE001 - any boot failure means: load the whole model instead
             raise RuntimeError(f"not streamable: the bridge does not boot without weights ({first_line(e)})") from None
     _meta_parameters(bridge)
-    _check_names_and_shapes(shards, holders, skeleton, bridge.adapter.component_mapping["blocks"].name)
+    stored = _check_names_and_shapes(shards, holders, skeleton, bridge.adapter.component_mapping["blocks"].name)
     why = _uses_own_processing(bridge.adapter) if processing == "tl" else None
     if why is not None:
         raise RuntimeError(f"not streamable: {why}")
     cfg = model_dims(bridge) | {"processing_warnings": []}
-    dtypes = tuple(sorted({shards.dtypes[n] for n in shards.dtypes}))
+    dtypes = tuple(sorted({shards.dtypes[n] for n in stored.values()}))
     return StreamedModel(name=name, source=str(folder), cfg=cfg, processing=processing, device=device,
                          shards=shards, skeleton=bridge, holders=holders, stored_dtypes=dtypes,
                          _tokenizer_given=tokenizer)
