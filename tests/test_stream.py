@@ -56,6 +56,23 @@ def test_streamed_weights_equal_the_loaded_models(checkpoints, family, processin
     assert streamed._forward is None  # nothing loaded the whole model
 
 
+def test_integer_and_boolean_buffers_stored_beside_the_parameters_are_not_read(checkpoints, tmp_path):
+    """A GPT-2 whose safetensors also hold what hub checkpoints carry beside the parameters (GPT-2 and Pythia:
+    a boolean causal mask per layer; BERT: int64 position_ids): streamed, its weights are the clean copy's."""
+    folder = tmp_path / "with-buffers"
+    shutil.copytree(checkpoints["gpt2"], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    blocks = sorted({n.removesuffix("attn.c_attn.weight") for n in state if n.endswith("attn.c_attn.weight")})
+    extra = {f"{block}attn.bias": torch.ones(1, 1, 8, 8, dtype=torch.bool).tril() for block in blocks}
+    extra["position_ids"] = torch.arange(8)[None]
+    save_file({**state, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    streamed, clean = (open_model(f, processing="raw", device="cpu") for f in (folder, checkpoints["gpt2"]))
+    assert isinstance(streamed, StreamedModel) and streamed.stored_dtypes == ("F32",) and len(blocks) == 3
+    for ours, theirs in zip(streamed.head_layers(), clean.head_layers(), strict=True):
+        for name in ("W_Q", "W_K", "W_V", "W_O"):
+            torch.testing.assert_close(ours[name], theirs[name], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_composition_scores_from_the_streamed_factors_equal_those_of_the_weights(checkpoints, family):
     """CS computed from the bases and k x k factors the streamed PK keeps, against composition_scores of the loaded
