@@ -190,6 +190,7 @@ def test_analyze_command_writes_artifacts_and_prints_summary(synthetic_dir, tmp_
     assert "KL(random || observed) in nats" in out and "OK" in out
 
 
+@pytest.mark.slow  # the whole analysis at the defaults, in a fresh interpreter
 def test_the_readmes_main_job_runs_as_written_on_the_embedded_default(tmp_path):
     """The README's first set-up command after its install, read from the README and run in a fresh process in an
     empty folder (no store chosen: the embedded default) on the offline all-MiniLM-L6-v2, whose safetensors hold
