@@ -93,7 +93,8 @@ def _command(argv, env, moment, stdout, stderr, paused, go):
     main(argv)
 
 
-def _environment(env: dict | None) -> dict:
+def command_environment(env: dict | None) -> dict:
+    """This process's environment without the variables that choose a store, updated with `env`."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_") and k != "HEADGRAPH_DB"}
     return {**base, **(env or {})}
 
@@ -106,7 +107,7 @@ class Command:
         self._out, self._err = os.path.join(self._folder, "stdout"), os.path.join(self._folder, "stderr")
         self._paused, self._go = _forkserver.Event(), _forkserver.Event()
         self.process = _forkserver.Process(target=_command, args=(
-            self.argv, _environment(env), moment, self._out, self._err, self._paused, self._go))
+            self.argv, command_environment(env), moment, self._out, self._err, self._paused, self._go))
         self.process.start()
         self.pid = self.process.pid
 

@@ -4,7 +4,6 @@ random-init model without discoveries, options, and one-line errors."""
 import dataclasses
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from _cli import run_cli
+from _commands import command_environment
 from _fast import PK, flags
 
 from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
@@ -201,9 +201,8 @@ def test_the_readmes_main_job_runs_as_written_on_the_embedded_default(tmp_path):
     block = readme.split("## Set up", 1)[1].split("```", 2)[1]
     command = shlex.split(block.strip().split("&&")[-1])
     assert command[:2] == ["headgraph", "analyze"], block
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEO4J_") and k != "HEADGRAPH_DB"}
     done = subprocess.run([sys.executable, "-m", "headgraph", *command[1:]], cwd=tmp_path, capture_output=True,
-                          text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+                          text=True, env=command_environment({"PYTHONPATH": str(ROOT)}), timeout=600)
     assert done.returncode == 0, done.stderr
     (folder,) = (tmp_path / "runs").iterdir()
     run = json.loads((folder / "run.json").read_text())
