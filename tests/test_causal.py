@@ -246,7 +246,9 @@ def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     c(W_O) Γ W formed once) with every sender a step; one group of three batches (room to build the third beside
     the first two, and at least 2 senders a step), then the last batch alone; and every batch alone at one sender a
     step. A batch that fills the budget alone is patched in steps sized to the budget, its own bytes on top. The
-    effects are the same under each budget, and under 1 byte, where every batch takes one input."""
+    gradient passes of attribution take the path's points together where there is room (all five under the default
+    budget, one at a time under 1 byte). The effects and attributions are the same under each budget, and under 1
+    byte, where every batch takes one input."""
     from headgraph.analysis.causal import local as causal_local
 
     model = load_model("induction-2l", device="cpu")
@@ -259,14 +261,19 @@ def test_local_effects_do_not_depend_on_the_memory_they_are_given():
     three = sum(data[:3]) + room
     chunk = min(net.n_heads, room // sum(steps[:3]))
     assert chunk >= 2
-    assert causal_local._plan(net, inputs, [4, 4], three, grouped=True, gradients=True)[0] == (3, chunk)
-    assert len(causal_local._plan(net, inputs, [4, 4], three, grouped=True, gradients=True)) == 2
-    assert causal_local._plan(net, inputs, [4, 4], 1, grouped=True, gradients=True) == [(1, 1)] * 4
+    passes = [causal_network.pass_bytes(net, 4, T) for T in lengths]
+    plan = causal_local._plan(net, inputs, [4, 4], three, grouped=True, gradients=True)
+    assert len(plan) == 2 and plan[0][:2] == (3, chunk)
+    # each gradient pass takes the points of the path that the room left beside the batches held and built holds
+    held = np.cumsum([0] + data[:2])
+    assert plan[0][2] == [min(5, max(1, (three - held[i] - data[i]) // passes[i])) for i in range(3)]
+    assert plan[0][2][0] > 1 and plan[0][2][2] == 1
+    assert causal_local._plan(net, inputs, [4, 4], 1, grouped=True, gradients=True) == [(1, 1, [1])] * 4
     alone = causal_local._plan(net, inputs, [4, 4], data[0], grouped=True, gradients=True)  # no room beside a batch
-    assert alone[0] == (1, min(net.n_heads, data[0] // steps[0])) and alone[0][1] > 1
-    roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)
+    assert alone[0] == (1, min(net.n_heads, data[0] // steps[0]), [1]) and alone[0][1] > 1
+    roomy = C.local_effects(model, inputs, n_boot=50, batch_size=4)  # the path's five points in one pass
     assert causal_local._plan(net, inputs, [4, 4], causal_network.DEFAULT_PATCH_MEMORY - net.nbytes, grouped=True,
-                              gradients=True) == [(4, net.n_heads)]
+                              gradients=True) == [(4, net.n_heads, [causal_network.ATTRIBUTION_STEPS + 1] * 4)]
     assert roomy.effect.max() > 0.3
     for max_memory in (1, net.nbytes + three):
         found = C.local_effects(model, inputs, n_boot=50, batch_size=4, max_memory=max_memory)
@@ -599,11 +606,14 @@ def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_h
     C.loss_effects(model, inputs, edges, n_boot=20)
     # one pass per input: blocks 0-1 on the clean row alone, grown from block 2 on, given back after block 3
     assert _windows(events, 6).count((0, 1, 2, 3, "release", 4)) == 2 and events.count("release") == 2
-    events.clear()
-    C.local_effects(model, inputs, ["OQ"], n_boot=20)
-    # each of the batch's 5 gradient steps: given back before it and after blocks 1 and 3 of its forward pass
+    # each gradient pass of the batch: given back before it and after blocks 1 and 3 of its forward pass; the
+    # path's 5 points in one pass under the default budget (one batch of both inputs), one pass each under a budget
+    # of 1 byte (a batch per input)
     step = ("release", 0, 1, "release", 2, 3, "release", 4)
-    assert causal_network.ATTRIBUTION_STEPS + 1 == 5 and _windows(events, 8).count(step) == 5
+    for max_memory, passes in ((causal_network.DEFAULT_PATCH_MEMORY, 1), (1, 2 * 5)):
+        events.clear()
+        C.local_effects(model, inputs, ["OQ"], n_boot=20, max_memory=max_memory)
+        assert causal_network.ATTRIBUTION_STEPS + 1 == 5 and _windows(events, 8).count(step) == passes
     for handle in mine:
         handle.remove()
     assert not any(block._forward_hooks or block._forward_pre_hooks for block in model.bridge.blocks)
@@ -627,3 +637,19 @@ def test_a_workspace_buffer_is_reused_until_a_step_needs_more_and_its_two_buffer
     ends = [(t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (grown, other)]
     assert ends[0][1] <= ends[1][0] or ends[1][1] <= ends[0][0]
     assert workspace.take(0, like.double(), 3).dtype == torch.float64  # another dtype: a buffer of its own
+
+
+def test_the_output_root_gives_each_heads_output_norm_also_for_a_singular_w_o():
+    """||z R|| = ||z W_O|| per head, checked in float64 against the product itself, for a full-rank W_O, one of rank 3
+    and a zero one (a pruned head), as bf16 weights are stored."""
+    g = torch.Generator().manual_seed(0)
+    w_o = torch.randn(3, 8, 40, generator=g)
+    w_o[1] = torch.randn(8, 3, generator=g) @ torch.randn(3, 40, generator=g)
+    w_o[2] = 0
+    w_o = w_o.to(torch.bfloat16)
+    root = causal_network.output_root(w_o)
+    z = torch.randn(50, 3, 8, generator=g)
+    exact = np.einsum("nhe,hed->nhd", z.double().numpy(), w_o.double().numpy())
+    found = torch.einsum("nhe,hef->nhf", z, root).pow(2).sum(-1).numpy()
+    np.testing.assert_allclose(found, (exact ** 2).sum(-1), rtol=1e-5, atol=1e-6)
+    assert root.dtype == torch.float32 and np.abs(found[:, 2]).max() < 1e-6

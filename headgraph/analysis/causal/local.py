@@ -15,11 +15,11 @@ import torch
 from headgraph.analysis.artifacts import PAIR_KEY
 from headgraph.analysis.bootstrap import ratio_intervals
 from headgraph.analysis.causal.inputs import counterfactuals, input_sets
-from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE, DEFAULT_PATCH_MEMORY, Batch,
-                                               Layer, Net, attribution, batch_bytes, batch_sizes, batches, carry,
-                                               check_counts, coupled, input_change, network, patched_attention,
-                                               progress_advance, project, receiver_layer, rotate, sender_writes,
-                                               value_attribution)
+from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STREAM, DEFAULT_BATCH_SIZE,
+                                               DEFAULT_PATCH_MEMORY, Batch, Layer, Net, attribution, batch_bytes,
+                                               batch_sizes, batches, carry, check_counts, coupled, input_change,
+                                               network, pass_bytes, patched_attention, progress_advance, project,
+                                               receiver_layer, rotate, sender_writes, value_attribution)
 from headgraph.analysis.heap import empty_mapped, release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
@@ -270,18 +270,20 @@ def _sender_bytes(net: Net, b: int, T: int) -> int:
 
 
 def _plan(net: Net, sets, sizes: Sequence[int], max_memory: int, grouped: bool, gradients: bool
-          ) -> list[tuple[int, int]]:
-    """(batches, senders per batched step) of each group of consecutive batches (set i's batches are sizes[i]
-    inputs of its padded length): a group holds its batches (`batch_bytes`) and its steps cover all
-    of them, the batches and one step within max_memory, and so do the batches held and the passes that build the
-    next one (its forward pass's activations and the gradient passes' keep about its bytes again: on the 1.1B
-    shape cut to 8 layers, 16 inputs of 25 tokens held 388 MB and 833 MB at most while built, estimated 554 MB;
-    bytes malloc held in use). A pre-LN model's c(W_O) Γ W products are formed once per group (`grouped`);
-    otherwise each batch is a group. A batch that leaves no room for a sender (one input too many bytes for
-    max_memory) is a group alone, its step sized to max_memory and its own bytes on top."""
+          ) -> list[tuple[int, int, list[int]]]:
+    """(batches, senders per batched step, each batch's points of the path per gradient pass) of each group of
+    consecutive batches (set i's batches are sizes[i] inputs of its padded length): a group holds its batches
+    (`batch_bytes`) and its steps cover all of them, the batches and one step within max_memory, and so do the
+    batches held and the passes that build the next one (its forward pass's activations and the gradient passes'
+    keep about its bytes again: on the 1.1B shape cut to 8 layers, 16 inputs of 25 tokens held 388 MB and 833 MB
+    at most while built, estimated 554 MB; bytes malloc held in use); its gradient passes take as many points of
+    the path each as the room left holds (`pass_bytes` a point), at least one. A pre-LN model's c(W_O) Γ W
+    products are formed once per group (`grouped`); otherwise each batch is a group. A batch that leaves no room
+    for a sender (one input too many bytes for max_memory) is a group alone, its step sized to max_memory and its
+    own bytes on top."""
     shapes = [(min(size, len(s) - start), s.input_ids.shape[1]) for s, size in zip(sets, sizes)
               for start in range(0, len(s), size)]
-    plan, held, per_sender, count = [], 0, 0, 0
+    plan, held, per_sender, count, stacks = [], 0, 0, 0, []
 
     def chunk():
         return _sender_chunk(net, per_sender, max_memory - held if max_memory - held >= per_sender else max_memory)
@@ -289,10 +291,12 @@ def _plan(net: Net, sets, sizes: Sequence[int], max_memory: int, grouped: bool, 
     for b, T in shapes:
         data, step = batch_bytes(net, b, T, gradients), _sender_bytes(net, b, T)
         if count and (not grouped or held + data + max(data, per_sender + step) > max_memory):
-            plan.append((count, chunk()))
-            held, per_sender, count = 0, 0, 0
+            plan.append((count, chunk(), stacks))
+            held, per_sender, count, stacks = 0, 0, 0, []
+        room = (max_memory - held - data) // pass_bytes(net, b, T) if gradients else 1
+        stacks.append(min(ATTRIBUTION_STEPS + 1, max(1, room)))
         held, per_sender, count = held + data, per_sender + step, count + 1
-    return plan + [(count, chunk())]
+    return plan + [(count, chunk(), stacks)]
 
 
 def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
@@ -418,8 +422,10 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     centring = {None if n is None else n[2] for n in norms.values()}
     factor = bool(norms) and len(centring) == 1 and None not in centring
     weights = _FactoredWeights(net, centring.pop()) if factor else None
-    stream = batches(net, sets, alternatives, sizes, advance, gradients=gradients, path=net.local_path)
-    for count, chunk in _plan(net, sets, sizes, budget, factor, gradients):
+    plan = _plan(net, sets, sizes, budget, factor, gradients)
+    stream = batches(net, sets, alternatives, sizes, advance, gradients=gradients, path=net.local_path,
+                     stacks=[stack for _, _, stacks in plan for stack in stacks])
+    for count, chunk, _ in plan:
         _patch_group(net, [(batch, {l: receiver_layer(net, batch, l, net.local_path) for l in range(1, L)})
                            for batch in itertools.islice(stream, count)], chunk, kinds, weights, index, sums)
     frames = []
