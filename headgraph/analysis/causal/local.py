@@ -383,7 +383,8 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     measures exactly: it can miss where the loss is far from linear in the receiver's change (a saturated softmax
     downstream), which is why exact patching checks it on the selected edges. `max_memory` bounds the Net's copies
     of the weights (`Net.nbytes`), the batches held at once with their activations and gradients (`batch_bytes`),
-    the passes building the next and one batched step's working bytes over them (`_plan`). A batch takes at most
+    the passes building the next (attribution's taking several points of its path together where the room left
+    holds them, `pass_bytes`) and one batched step's working bytes over them (`_plan`). A batch takes at most
     `batch_size` inputs, fewer where more would not fit (`batch_sizes`); a pre-LN model forms each c(W_O) Γ W once
     for all the batches held, so a smaller budget costs those products again per group. The model itself and what
     `batch_bytes` estimates short come on top."""
