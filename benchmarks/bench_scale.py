@@ -359,18 +359,30 @@ def print_result(built: dict, result: dict) -> None:
 GEMM_N = 2048  # the square matmul whose best time gives the fp32 GEMM peak of the floors
 
 
-def print_floors(folder: Path, run_dir: Path, result: dict, device: str) -> None:
-    """Each model stage's matmul FLOPs (bench_pk.counted_flops: the stage rerun as the run ran it, under torch's
-    FlopCounterMode) at the fp32 GEMM peak of a GEMM_N^3 product, beside the seconds analyze took for it."""
-    from bench_pk import counted_flops, gemm_flops_per_s
+def gemm_peak(device: str) -> float:
+    """FLOP/s of the best of 10 GEMM_N^3 fp32 products (bench_pk.gemm_flops_per_s)."""
+    from bench_pk import gemm_flops_per_s
 
-    gemm = gemm_flops_per_s(device, GEMM_N)
+    return gemm_flops_per_s(device, GEMM_N)
+
+
+def print_floors(folder: Path, run_dir: Path, result: dict, device: str, peak_before: float) -> None:
+    """Each model stage's matmul FLOPs (bench_pk.counted_flops: the stage rerun as the run ran it, under torch's
+    FlopCounterMode) at the fp32 GEMM peak of a GEMM_N^3 product, measured before the analyze process and again
+    after it, beside the seconds analyze took for it: a shared VM's peak moves between such readings (259.7 and
+    328.0 GFLOP/s an hour apart on one day), and each stage's ratio with it, so both are printed."""
+    from bench_pk import counted_flops
+
+    peak_after = gemm_peak(device)
+    peaks = sorted([peak_before, peak_after])
     took = {"roles": "roles", "causal local": "causal_local", "causal loss": "causal_loss"}
-    print(f"  floors at the fp32 GEMM peak of {gemm / 1e9:.1f} GFLOP/s ({GEMM_N}^3 matmul, best of 10):")
+    print(f"  floors at the fp32 GEMM peak ({GEMM_N}^3 matmul, best of 10) of {peak_before / 1e9:.1f} GFLOP/s "
+          f"before the run and {peak_after / 1e9:.1f} after it:")
     for name, flops in counted_flops(folder, device, run_dir).items():
-        floor, ran = flops / gemm, result["summary"]["timings_s"].get(took[name])
-        print(f"  {name:<26}{flops / 1e9:>10.0f} GFLOP = {floor:8.1f} s floor; ran {ran:.1f} s "
-              f"({ran / floor:.2f}x the floor)")
+        low, high = flops / peaks[1], flops / peaks[0]
+        ran = result["summary"]["timings_s"].get(took[name])
+        print(f"  {name:<26}{flops / 1e9:>10.0f} GFLOP = {low:.1f}-{high:.1f} s floor; ran {ran:.1f} s "
+              f"({ran / high:.2f}-{ran / low:.2f}x the floor)")
 
 
 def _proc_field(file: str, key: str) -> str | None:
@@ -455,10 +467,11 @@ def main():
             print(f"  checkpoint: {built['params'] / 1e9:.2f} B parameters, {built['file_bytes'] / 1e9:.2f} GB bf16 "
                   f"in {built['shards']} shards, built in {built['seconds']:.1f} s (this process's peak RSS so far "
                   f"{gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)} GiB)", flush=True)
+            peak_before = gemm_peak(args.device) if args.floors else None
             result = run_analyze(work / "checkpoint", work, args)
             print_result(built, result)
             if args.floors and result["run"] is not None:
-                print_floors(work / "checkpoint", work / "run", result, args.device)
+                print_floors(work / "checkpoint", work / "run", result, args.device, peak_before)
             results.append((shape, built, result))
             shutil.rmtree(work)
     print_summary(results)
