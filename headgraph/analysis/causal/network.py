@@ -486,7 +486,7 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
     found, patterns = {name: [] for name in names}, {}  # patterns: the clean A of each layer (α = 0)
     for first in range(0, steps + 1, stack):
         points = range(first, min(first + stack, steps + 1))  # this pass's points, each a copy of the batch
-        inputs = batch if len(points) == 1 else batch.rows(torch.arange(b).repeat(len(points)))
+        inputs = batch.rows(torch.arange(b).repeat(len(points)))
         ids = inputs.input_ids.to(device)
         real = inputs.attention_mask.bool().to(device)
         alpha = torch.tensor([k / steps for k in points], device=device).repeat_interleave(b).view(-1, 1, 1, 1)
