@@ -1,10 +1,12 @@
 """Load throughput of a large synthetic run (default 250k edges) into LadybugDB and the real Neo4j.
 
     python3 benchmarks/bench_load.py [--edges 250000] [--batch-size 5000 ...] [--neo4j bolt://127.0.0.1:7687]
+                                     [--stored-runs N]
 
 Neo4j credentials come from NEO4J_USER / NEO4J_PASSWORD (and --neo4j or NEO4J_URI); the embedded store is a
 fresh temporary file unless --db is given. Prints edges/s per store and batch size; the run is deleted after.
-Centrality is not part of the timing (the graph rows are built first). Measured on 2 cores, batch 5000:
+Centrality is not part of the timing (the graph rows are built first). With --stored-runs N, N runs of the same
+size are stored first, each timed as it goes in (what a sweep into one store pays run after run), and deleted after. Measured on 2 cores, batch 5000:
 Neo4j 5.9k-7.0k edges/s before (dict rows, pure-Python PackStream), 13.4k-17.4k after (value-list rows,
 neo4j-rust-ext); see headgraph/loader/neo4j_store.py.
 """
@@ -56,15 +58,28 @@ def synthetic_pairs(n_edges: int, n_layers: int, n_heads: int, kinds: list[str],
     return pd.concat(frames, ignore_index=True)
 
 
-def bench_graph(n_edges: int, n_layers: int, n_heads: int) -> RunGraph:
+def bench_graph(n_edges: int, n_layers: int, n_heads: int, run_id: str = RUN_ID) -> RunGraph:
     kinds = ["OQ", "OK", "OV", "QK"]
     pairs = synthetic_pairs(n_edges, n_layers, n_heads, kinds)
     layer, head = (a.ravel() for a in np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij"))
     heads = pd.DataFrame({"head": [f"L{l}H{h}" for l, h in zip(layer, head)], "layer": layer, "index": head})
     policy = SelectionPolicy(top_k=None)
-    run = {"id": RUN_ID, "model": "bench-synthetic", "types": kinds, "policy": policy.describe()}
+    run = {"id": run_id, "model": "bench-synthetic", "types": kinds, "policy": policy.describe()}
     return RunGraph(run, {"name": "bench-synthetic", "n_layers": n_layers, "n_heads": n_heads},
-                    head_rows(heads, RUN_ID, "bench-synthetic"), edge_rows(select_edges(pairs, policy), RUN_ID))
+                    head_rows(heads, run_id, "bench-synthetic"), edge_rows(select_edges(pairs, policy), run_id))
+
+
+def store_earlier_runs(store, args) -> list[str]:
+    """Store --stored-runs runs of the bench's size before it, printing the seconds each took to go in."""
+    stored = []
+    for i in range(args.stored_runs):
+        graph = bench_graph(args.edges, args.layers, args.heads, f"{RUN_ID}-earlier-{i}")
+        started = time.perf_counter()
+        store.store_run(graph)
+        stored.append(graph.run["id"])
+        print(f"{store.description}: run {i + 1} stored beside {i} others in {time.perf_counter() - started:.1f} s",
+              flush=True)
+    return stored
 
 
 def bench(store, graph: RunGraph, batch_size: int) -> None:
@@ -91,6 +106,7 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["ladybug", "neo4j"], choices=["ladybug", "neo4j"])
     parser.add_argument("--db", default=None, help="embedded store path (default: a temporary file)")
     parser.add_argument("--neo4j", default=os.environ.get("NEO4J_URI", "bolt://127.0.0.1:7687"))
+    parser.add_argument("--stored-runs", type=int, default=0, help="runs of the same size stored first (deleted after)")
     args = parser.parse_args()
 
     graph = bench_graph(args.edges, args.layers, args.heads)
@@ -100,8 +116,11 @@ def main() -> None:
         for kind in args.stores:
             opened = open_store(db=args.db or str(Path(tmp) / "bench.lbdb")) if kind == "ladybug" else open_store(neo4j=args.neo4j)
             with opened as store:
+                earlier = store_earlier_runs(store, args)
                 for batch_size in args.batch_size:
                     bench(store, graph, batch_size)
+                for run_id in earlier:
+                    store.delete_run(run_id)
 
 
 if __name__ == "__main__":
