@@ -6,9 +6,9 @@
 Neo4j credentials come from NEO4J_USER / NEO4J_PASSWORD (and --neo4j or NEO4J_URI); the embedded store is a
 fresh temporary file unless --db is given. Prints edges/s per store and batch size; the run is deleted after.
 Centrality is not part of the timing (the graph rows are built first). With --stored-runs N, N runs of the same
-size are stored first, each timed as it goes in (what a sweep into one store pays run after run), and deleted after. Measured on 2 cores, batch 5000:
-Neo4j 5.9k-7.0k edges/s before (dict rows, pure-Python PackStream), 13.4k-17.4k after (value-list rows,
-neo4j-rust-ext); see headgraph/loader/neo4j_store.py.
+size are stored first, each timed as it goes in (what a sweep into one store pays run after run), and deleted
+after. Measured on 2 cores, batch 5000: Neo4j 5.9k-7.0k edges/s before (dict rows, pure-Python PackStream),
+13.4k-17.4k after (value-list rows, neo4j-rust-ext); see headgraph/loader/neo4j_store.py.
 """
 
 import argparse
