@@ -69,9 +69,9 @@ def bench_graph(n_edges: int, n_layers: int, n_heads: int, run_id: str = RUN_ID)
                     head_rows(heads, run_id, "bench-synthetic"), edge_rows(select_edges(pairs, policy), run_id))
 
 
-def store_earlier_runs(store, args) -> list[str]:
-    """Store --stored-runs runs of the bench's size before it, printing the seconds each took to go in."""
-    stored = []
+def store_earlier_runs(store, args, stored: list[str]) -> None:
+    """Store --stored-runs runs of the bench's size before it, printing the seconds each took to go in; each run's
+    id is appended to `stored` once it is in."""
     for i in range(args.stored_runs):
         graph = bench_graph(args.edges, args.layers, args.heads, f"{RUN_ID}-earlier-{i}")
         started = time.perf_counter()
@@ -79,7 +79,6 @@ def store_earlier_runs(store, args) -> list[str]:
         stored.append(graph.run["id"])
         print(f"{store.description}: run {i + 1} stored beside {i} others in {time.perf_counter() - started:.1f} s",
               flush=True)
-    return stored
 
 
 def bench(store, graph: RunGraph, batch_size: int) -> None:
@@ -116,11 +115,14 @@ def main() -> None:
         for kind in args.stores:
             opened = open_store(db=args.db or str(Path(tmp) / "bench.lbdb")) if kind == "ladybug" else open_store(neo4j=args.neo4j)
             with opened as store:
-                earlier = store_earlier_runs(store, args)
-                for batch_size in args.batch_size:
-                    bench(store, graph, batch_size)
-                for run_id in earlier:
-                    store.delete_run(run_id)
+                earlier: list[str] = []
+                try:
+                    store_earlier_runs(store, args, earlier)
+                    for batch_size in args.batch_size:
+                        bench(store, graph, batch_size)
+                finally:  # a --db given keeps none of the bench's runs, also when it stops half way
+                    for run_id in earlier:
+                        store.delete_run(run_id)
 
 
 if __name__ == "__main__":
