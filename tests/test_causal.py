@@ -2,6 +2,7 @@
 TransformerLens hooks (the model's own LayerNorm and attention), by hand in numpy on a planted model, and the
 exact zeros of patching a sender with its own clean output."""
 
+import dataclasses
 import doctest
 import re
 import weakref
@@ -604,8 +605,9 @@ def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_h
     inputs = repeated_token_inputs(model.tokenizer, 2, seed=0, length=6)
     edges = pd.DataFrame({"source": ["L0H0"], "target": ["L2H1"], "source_type": "O", "target_type": ["Q"]})
     C.loss_effects(model, inputs, edges, n_boot=20)
-    # one pass per input: blocks 0-1 on the clean row alone, grown from block 2 on, given back after block 3
-    assert _windows(events, 6).count((0, 1, 2, 3, "release", 4)) == 2 and events.count("release") == 2
+    # one pass per input: blocks 0-1 on the clean row alone, grown from block 2 on, given back after block 3 and
+    # after the pass
+    assert _windows(events, 7).count((0, 1, 2, 3, "release", 4, "release")) == 2 and events.count("release") == 4
     # each gradient pass of the batch: given back before it and after blocks 1 and 3 of its forward pass; the
     # path's 5 points in one pass under the default budget (one batch of both inputs), one pass each under a budget
     # of 1 byte (a batch per input)
@@ -617,6 +619,17 @@ def test_the_passes_give_their_freed_heap_back_every_second_block_and_leave_no_h
     for handle in mine:
         handle.remove()
     assert not any(block._forward_hooks or block._forward_pre_hooks for block in model.bridge.blocks)
+    # passes on another device than the CPU (a GPU's activations are not in the heap): nothing given back
+    events.clear()
+    net = causal_network.network(model, inputs.batch(0, 1))
+    elsewhere = dataclasses.replace(net, out_root=net.out_root.to("meta"))
+    with causal_network.releasing(elsewhere):
+        assert not any(block._forward_hooks for block in model.bridge.blocks)
+        elsewhere.release_freed()
+    with causal_network.releasing(net):
+        assert sum(bool(block._forward_hooks) for block in model.bridge.blocks) == 2  # after blocks 1 and 3
+        net.release_freed()
+    assert events == ["release"]
 
 
 def _windows(events: list, size: int) -> list[tuple]:

@@ -20,7 +20,7 @@ from headgraph.analysis.causal.network import (ATTRIBUTION_STEPS, BOOTSTRAP_STRE
                                                batch_sizes, batches, carry, check_counts, coupled, input_change,
                                                network, pass_bytes, patched_attention, progress_advance, project,
                                                receiver_layer, rotate, sender_writes, value_attribution)
-from headgraph.analysis.heap import empty_mapped, release_freed
+from headgraph.analysis.heap import empty_mapped
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.prompts import TokenInputs
 from headgraph.errors import UsageError
@@ -308,18 +308,19 @@ def _sender_chunk(net: Net, per_sender: int, max_memory: int) -> int:
 class _Sums:
     """Per-input sums the effects are ratios of, filled batch by batch: numerators [pairs, n] of each kind's local
     effects and (a decoder) attributions, float32 as they are computed (held through the stage: on the 1.1B shape
-    at 48 inputs, 227 MB in float64), the real queries seeing more than one key and the predicted tokens [n], and
-    every head's squared clean output [L, H, n]."""
+    at 48 inputs, 227 MB in float64) and on the passes' device (a step's sums copied to the host would wait for
+    the GPU at every step), the real queries seeing more than one key and the predicted tokens [n], and every
+    head's squared clean output [L, H, n]."""
 
-    num: dict[str, np.ndarray]
-    attributed: dict[str, np.ndarray] | None
+    num: dict[str, torch.Tensor]
+    attributed: dict[str, torch.Tensor] | None
     queries: np.ndarray
     predicted: np.ndarray
     outputs: np.ndarray
 
 
 def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: int, kinds: Sequence[str],
-                 weights: "_FactoredWeights | None", index: dict[str, np.ndarray], sums: _Sums) -> None:
+                 weights: "_FactoredWeights | None", index: dict[str, torch.Tensor], sums: _Sums) -> None:
     """Patch every sender into every later receiver layer on each batch of `group` (with its receiver layers),
     `chunk` senders per step, writing each pair's per-input sums into `sums` at the rows `index` gives; with
     `weights` (a pre-LN model, `_FactoredChange`), each c(W_O) Γ W is formed once for the group. The steps write
@@ -333,7 +334,7 @@ def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: i
             sums.outputs[l, :, batch.rows] = (_squared_outputs(net, l, z) * batch.real[:, :, None]).sum(1).T.cpu()
     clean, workspace = [{} for _ in group], _Workspace()
     for sender_layer in range(L - 1):
-        release_freed()  # the last sender layer's patched rows, freed out of order (1.1B shape: 5.46 -> 5.01 GiB peak)
+        net.release_freed()  # the last sender layer's patched rows, freed out of order (1.1B: 5.46 -> 5.01 GiB peak)
         for first in range(0, H, chunk):
             heads = slice(first, min(first + chunk, H))
             deltas = [sender_writes(net, batch, sender_layer, heads) for batch, _ in group]
@@ -358,9 +359,9 @@ def _patch_group(net: Net, group: list[tuple[Batch, dict[int, Layer]]], chunk: i
                             d = (factored[i].project(layer, kind, mixed, workspace) if factored is not None
                                  else project(changed[i], local_weight(net, layer, kind)))
                             found, attr = _local_sums(net, batch, receivers[layer], layer, d, kind, workspace)
-                        sums.num[kind][rows, batch.rows] = found.cpu()
+                        sums.num[kind][rows, batch.rows] = found
                         if attr is not None:
-                            sums.attributed[kind][rows, batch.rows] = attr.cpu()
+                            sums.attributed[kind][rows, batch.rows] = attr
 
 
 @torch.no_grad()
@@ -401,14 +402,14 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     net = network(model, sets[0].batch(0, 1))
     L, H = net.n_layers, net.n_heads
     later = np.arange(L)[:, None, None, None] < np.arange(L)[None, None, :, None]
-    pairs, index = {}, {}
+    pairs, index, device = {}, {}, net.out_root.device
     for kind in kinds:  # (source layer, head, target layer, receiver): a query head, or a KV head for K/V
         pairs[kind] = np.nonzero(np.broadcast_to(later, (L, H, L, net.receivers(kind))))
-        index[kind] = np.full((L, H, L, net.receivers(kind)), -1)
-        index[kind][pairs[kind]] = np.arange(len(pairs[kind][0]))
+        index[kind] = torch.full((L, H, L, net.receivers(kind)), -1, device=device)
+        index[kind][pairs[kind]] = torch.arange(len(pairs[kind][0]), device=device)
     n = sum(len(s) for s in sets)
-    sums = _Sums(num={kind: np.zeros((len(pairs[kind][0]), n), np.float32) for kind in kinds},
-                 attributed={kind: np.zeros((len(pairs[kind][0]), n), np.float32) for kind in kinds}
+    sums = _Sums(num={kind: torch.zeros(len(pairs[kind][0]), n, device=device) for kind in kinds},
+                 attributed={kind: torch.zeros(len(pairs[kind][0]), n, device=device) for kind in kinds}
                  if attribution and net.is_decoder else None,
                  queries=np.zeros(n), predicted=np.zeros(n), outputs=np.zeros((L, H, n)))
     gradients = sums.attributed is not None
@@ -433,15 +434,16 @@ def local_effects(model, inputs: TokenInputs | Sequence[TokenInputs], types: Seq
     for kind in kinds:
         src_layer, src_head, tgt_layer, tgt_head = pairs[kind]
         group = 1 if kind == "Q" else net.kv_group  # query heads reading each receiver
+        num = sums.num[kind].cpu().numpy()
         if kind == "V":
             den = sums.outputs.reshape(L, -1, group, n).sum(2)[tgt_layer, tgt_head]
         else:
-            den = np.broadcast_to(sums.queries * group, sums.num[kind].shape)
-        effect, lo, hi = ratio_intervals(sums.num[kind], den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
+            den = np.broadcast_to(sums.queries * group, num.shape)
+        effect, lo, hi = ratio_intervals(num, den, n_boot, [seed, BOOTSTRAP_STREAM], root=kind == "V")
         attr = attr_lo = attr_hi = np.full(len(effect), np.nan)
         if sums.attributed is not None:  # nats per predicted token, as the loss effect
-            attr, attr_lo, attr_hi = ratio_intervals(sums.attributed[kind],
-                                                     np.broadcast_to(sums.predicted, sums.num[kind].shape),
+            attr, attr_lo, attr_hi = ratio_intervals(sums.attributed[kind].cpu().numpy(),
+                                                     np.broadcast_to(sums.predicted, num.shape),
                                                      n_boot, [seed, BOOTSTRAP_STREAM])
         frames.append(pd.DataFrame({
             "source": pd.Series([head_name(l, h) for l, h in zip(src_layer.tolist(), src_head.tolist())], dtype=str),

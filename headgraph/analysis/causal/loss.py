@@ -18,7 +18,6 @@ from headgraph.analysis.causal.network import (BOOTSTRAP_STREAM, DEFAULT_BATCH_S
                                                carry, check_counts, coupled, input_change, network, patched_attention,
                                                plain_unembed, progress_advance, project, receiver_layer, releasing,
                                                sender_writes, stop_pass, unembed)
-from headgraph.analysis.heap import release_freed
 from headgraph.analysis.options import DEFAULT_N_BOOT
 from headgraph.analysis.patterns import model_kwargs
 from headgraph.analysis.prompts import TokenInputs
@@ -212,7 +211,7 @@ def _batch_losses(net: Net, batch: Batch, parsed: list[tuple[int, int, int, int,
             edges_here = order[first:first + len(change)]
             num[edges_here, batch.rows.start + i] = change.double().cpu().numpy()
             den[edges_here, batch.rows.start + i] = count.double().cpu().numpy()
-            release_freed()  # the pass's activations, freed out of order (its logits buffer stays for the next)
+            net.release_freed()  # the pass's activations, freed out of order (its logits buffer stays for the next)
 
 
 @torch.no_grad()

@@ -110,6 +110,17 @@ class Net:
         copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(n for ptr, n in copies.items() if ptr not in own)
 
+    @property
+    def on_host(self) -> bool:
+        """Whether its passes run on the CPU, their activations in this process's heap."""
+        return self.out_root.device.type == "cpu"
+
+    def release_freed(self) -> None:
+        """Give the heap's free pages back to the system (`heap.release_freed`) where the passes run on the CPU: on
+        a GPU their activations are not in the heap, and each call would only hold up the kernels' launches."""
+        if self.on_host:
+            release_freed()
+
     def weight(self, name: str, layer: int, heads: slice = slice(None)) -> torch.Tensor:
         """weights[name][layer][heads] in float32."""
         return self.weights[name][layer][heads].float()
@@ -357,9 +368,9 @@ def releasing(net: Net, first: int = 0) -> Iterator[None]:
     fragmented by what ran before (the local effects' gradient passes, for the loss passes after them) glibc
     serves the next block's activations from pages given back earlier while keeping the pages just freed. On the
     1.1B shape after its local effects a loss pass peaked at 3.20 GiB of anonymous memory for 1.32 GiB in use;
-    given back every 2nd block, 2.32 GiB (every block 2.25, every 4th 2.52)."""
+    given back every 2nd block, 2.32 GiB (every block 2.25, every 4th 2.52). Nothing on a GPU (`Net.on_host`)."""
     handles = [net.bridge.blocks[layer].register_forward_hook(_release)
-               for layer in range(first + RELEASE_EVERY - 1, net.n_layers, RELEASE_EVERY)]
+               for layer in range(first + RELEASE_EVERY - 1, net.n_layers, RELEASE_EVERY) if net.on_host]
     try:
         yield
     finally:
@@ -505,7 +516,7 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
                 return value
             return hook
 
-        release_freed()  # what came before (the batch's forward passes, the last step's gradients) freed
+        net.release_freed()  # what came before (the batch's forward passes, the last step's gradients) freed
         hooks = [(name, keep(name)) for name in names]
         hooks += [("unembed.hook_in", stop_pass)] if linear is not None else []
         with torch.enable_grad(), releasing(net):
@@ -521,7 +532,7 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
             found[name].extend(g.float().unflatten(0, (len(points), b)).unbind(0))
         del out, losses, loss
         kept.clear()
-    release_freed()  # the last step's activations, freed out of order (a third of the stage's peak otherwise)
+    net.release_freed()  # the last step's activations, freed out of order (a third of the stage's peak otherwise)
     found_by_layer = {}
     for l in range(net.n_layers):
         v = clean[values[l]].float()
