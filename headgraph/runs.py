@@ -59,10 +59,14 @@ class StageRun:
     """One stage of an analysis as its runner measured it (headgraph.stages.run_stages): wall seconds, and the
     peak resident memory of this process while it ran, in bytes. The peak counts everything resident, what
     earlier stages left included, so it is not what the stage itself allocated; it counts neither GPU memory
-    nor other processes (the report's figure workers). How it was read is RunRecord.peak_rss."""
+    nor other processes (the report's figure workers). How it was read is RunRecord.peak_rss. Where the process
+    had used CUDA, peak_gpu_bytes is the most GPU memory torch's allocator had handed out while the stage ran
+    (torch.cuda.max_memory_allocated, what earlier stages left included; not what it cached beyond that, nor the
+    CUDA context); None otherwise."""
 
     seconds: float
     peak_rss_bytes: int
+    peak_gpu_bytes: int | None = None
 
 
 PeakRss = Literal["vmhwm", "ru_maxrss"]

@@ -83,7 +83,8 @@ def runs_if(condition: Callable[[Context], bool]) -> Callable[[Stage], Stage]:
 
 def run_stages(ctx: Context, stages: Iterable[Stage], into: dict[str, StageRun]) -> None:
     """Run each stage that applies, in order; into[its name] = its wall seconds and peak resident memory (from
-    the memory in use when it starts: what earlier stages freed is given back first, `release_freed`)."""
+    the memory in use when it starts: what earlier stages freed is given back first, `release_freed`), and where
+    this process has used CUDA, its peak of GPU memory allocated by torch."""
     for stage in stages:
         condition = getattr(stage, "runs_if", None)
         if condition is not None and not condition(ctx):
@@ -94,12 +95,12 @@ def run_stages(ctx: Context, stages: Iterable[Stage], into: dict[str, StageRun])
         try:
             stage(ctx)
         finally:
-            peak = _stop_peak()
-        into[stage.__name__] = StageRun(round(time.perf_counter() - start, 4), peak)
+            peak, gpu = _stop_peak()
+        into[stage.__name__] = StageRun(round(time.perf_counter() - start, 4), peak, gpu)
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
-_open_peaks: list[int] = []  # the running peak of each stage now running, outermost first
+_open_peaks: list[tuple[int, int | None]] = []  # running peaks (RSS, GPU) of each stage now running, outermost first
 
 
 @functools.cache
@@ -122,22 +123,43 @@ def _peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def _fold_peak(peak: int) -> None:
-    _open_peaks[:] = [max(p, peak) for p in _open_peaks]
+def _cuda():
+    """torch.cuda where this process has used it (torch imported and CUDA initialised), else None."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+
+
+def _peaks() -> tuple[int, int | None]:
+    """The peak RSS and GPU memory allocated since their last reset (GPU None without CUDA)."""
+    cuda = _cuda()
+    return _peak_bytes(), None if cuda is None else cuda.max_memory_allocated()
+
+
+def _higher(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
+
+
+def _fold_peak(peaks: tuple[int, int | None]) -> None:
+    _open_peaks[:] = [(max(rss, peaks[0]), _higher(gpu, peaks[1])) for rss, gpu in _open_peaks]
 
 
 def _start_peak() -> None:
-    """A stage starts: the stages around it keep the peak so far, then the high-water mark restarts from the
-    current RSS (so a nested stage's reset does not lose its parent's peak)."""
+    """A stage starts: the stages around it keep the peaks so far, then the high-water marks restart from the
+    current RSS and GPU memory allocated (so a nested stage's reset does not lose its parent's peak)."""
     if _open_peaks:
-        _fold_peak(_peak_bytes())
+        _fold_peak(_peaks())
     if peak_rss_method() == "vmhwm":
         _CLEAR_REFS.write_text("5")
-    _open_peaks.append(0)
+    cuda = _cuda()
+    if cuda is not None:
+        cuda.reset_peak_memory_stats()
+    _open_peaks.append((0, None))
 
 
-def _stop_peak() -> int:
-    """A stage ends: its peak, also counted in the stages around it."""
-    peak = max(_open_peaks.pop(), _peak_bytes())
-    _fold_peak(peak)
-    return peak
+def _stop_peak() -> tuple[int, int | None]:
+    """A stage ends: its peaks (RSS, GPU), also counted in the stages around it."""
+    rss, gpu = _open_peaks.pop()
+    now = _peaks()
+    peaks = max(rss, now[0]), _higher(gpu, now[1])
+    _fold_peak(peaks)
+    return peaks

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from _commands import headgraph
 from _fast import FAST, FLAGS
 
@@ -56,6 +57,8 @@ def test_run_json_records_each_stage_before_the_run_folder_with_its_peak_memory(
     assert list(summary["stages"]) == list(summary["timings_s"])[:-1]  # every stage the summary timed but "other"
     assert all(summary["timings_s"][name] == stage["seconds"] for name, stage in summary["stages"].items())
     assert all(stage["peak_rss_bytes"] > 2**26 for stage in summary["stages"].values())  # torch alone holds more
+    if run["device"] == "cpu":  # no GPU memory where the process never used CUDA
+        assert all(stage["peak_gpu_bytes"] is None for stage in summary["stages"].values())
     assert run["peak_rss"] == summary["peak_rss"] == ("vmhwm" if _clear_refs_writable() else "ru_maxrss")
     # the causal stage's seconds are the runner's, not a second clock
     assert run["causal"]["timings_s"] == {"local": run["stages"]["causal_local"]["seconds"],
@@ -112,6 +115,70 @@ def test_each_stage_records_its_own_peak_and_a_nested_stage_counts_in_its_parent
         pytest.skip("/proc/self/clear_refs cannot be written here: no peak of a stage's own to check")
     assert inner["_allocate"].peak_rss_bytes - inner["_pause"].peak_rss_bytes > 0.9 * BLOCK  # reset between
     assert top["outer"].peak_rss_bytes - top["_pause"].peak_rss_bytes > 0.9 * BLOCK
+
+
+def _allocate_on_gpu(ctx):
+    block = torch.ones(BLOCK // 4, device="cuda")
+    del block
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_stage_records_its_own_gpu_peak_and_a_nested_stage_counts_in_its_parent():
+    from headgraph.stages import run_stages
+
+    def outer(ctx):
+        run_stages(ctx, (_allocate_on_gpu, _pause), ctx.pk_stages)
+
+    ctx = _stages_context()
+    torch.ones(1, device="cuda")  # CUDA in use before the stages start
+    held = torch.cuda.memory_allocated()
+    run_stages(ctx, (outer, _pause), ctx.stages)
+    inner, top = ctx.pk_stages, ctx.stages
+    assert inner["_allocate_on_gpu"].peak_gpu_bytes >= held + BLOCK
+    assert top["outer"].peak_gpu_bytes >= inner["_allocate_on_gpu"].peak_gpu_bytes  # not lost to the inner resets
+    assert inner["_pause"].peak_gpu_bytes < held + BLOCK and top["_pause"].peak_gpu_bytes < held + BLOCK
+
+
+class _Allocator:
+    """torch.cuda's peak accounting as the stages read it: bytes allocated, and their peak since the last reset."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def take(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        self.allocated -= n
+
+    def max_memory_allocated(self) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak = self.allocated
+
+
+def test_the_gpu_peaks_of_nested_stages_fold_like_their_rss_peaks(monkeypatch):
+    """The GPU peaks' bookkeeping on any machine, through an allocator that keeps torch.cuda's peak statistics;
+    a process that never used CUDA records none."""
+    import headgraph.stages as stages
+
+    ctx = _stages_context()
+    stages.run_stages(ctx, (_pause,), ctx.stages)
+    assert ctx.stages["_pause"].peak_gpu_bytes is None or torch.cuda.is_initialized()
+    allocator = _Allocator()
+    monkeypatch.setattr(stages, "_cuda", lambda: allocator)
+
+    def outer(ctx):
+        allocator.take(300)
+        stages.run_stages(ctx, (lambda ctx: allocator.take(1000), _pause), ctx.pk_stages)
+        allocator.take(200)
+
+    allocator.allocated = 50  # held before the stages
+    stages.run_stages(ctx, (outer, _pause), ctx.stages)
+    (inner_first, inner_pause), top = ctx.pk_stages.values(), ctx.stages
+    assert (inner_first.peak_gpu_bytes, inner_pause.peak_gpu_bytes) == (1050, 50)
+    assert (top["outer"].peak_gpu_bytes, top["_pause"].peak_gpu_bytes) == (1050, 50)
 
 
 def test_without_clear_refs_a_stage_records_the_process_peak(monkeypatch):

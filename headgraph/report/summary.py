@@ -149,6 +149,11 @@ def print_summary(data: dict, console: Console) -> None:
     peaks = ", ".join(f"{name.replace('_', ' ')} {stage['peak_rss_bytes'] / 2**30:.2f}"
                       for name, stage in data["stages"].items())
     console.print(f"peak resident memory {how} (GiB): {peaks}")
+    gpu = {name: stage["peak_gpu_bytes"] for name, stage in data["stages"].items()
+           if stage.get("peak_gpu_bytes") is not None}
+    if gpu:
+        console.print("peak GPU memory allocated by torch (GiB): "
+                      + ", ".join(f"{name.replace('_', ' ')} {n / 2**30:.2f}" for name, n in gpu.items()))
 
 
 def evaluation_data(run_dir, classes_name: str | None, top_k: int, threshold: float) -> dict:
