@@ -25,12 +25,14 @@ the role tests settle at their first look and the graph has no structure, so thi
 Each analyze is a fresh process, as a user runs it: `python -m headgraph analyze DIR --json --device D`, an
 embedded store in the work folder, the report unless --no-report, and --types / --no-roles / --no-causal /
 --max-memory passed on. Read back: the --json summary's `timings_s` (seconds per step) and, where the run has
-them, `stages` (each stage's peak RSS); run.json's PK stage seconds, the engine's built and distinct heads and
-the role tests' inputs used per set. Peak RSS of a step is what analyze itself recorded (VmHWM per stage, or
-the process's running maximum: the table says which); the process's peak RSS is the largest of those and its
-ru_maxrss from os.wait4 (this child's own, unlike RUSAGE_CHILDREN's maximum over every child so far), which
-alone would miss a peak before analyze's last reset of the high-water mark. On CUDA the peak GPU memory in use,
-device-wide above the level before the process, is sampled from nvidia-smi every POLL_S seconds.
+them, `stages` (each stage's peak RSS, and on CUDA its peak GPU memory); run.json's PK stage seconds, the
+engine's built and distinct heads and the role tests' inputs used per set. Peak RSS of a step is what analyze
+itself recorded (VmHWM per stage, or the process's running maximum: the table says which); the process's peak
+RSS is the largest of those and its ru_maxrss from os.wait4 (this child's own, unlike RUSAGE_CHILDREN's maximum
+over every child so far), which alone would miss a peak before analyze's last reset of the high-water mark. On
+CUDA each step's peak GPU memory is what torch's allocator had handed out (analyze's record), and the process's,
+device-wide above the level before it (the CUDA context and torch's cache included), is sampled from nvidia-smi
+every POLL_S seconds.
 """
 
 import argparse
@@ -261,8 +263,9 @@ def run_analyze(folder: Path, work: Path, args) -> dict:
             limit.start()
         try:
             _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage
-        except KeyboardInterrupt:
+        except BaseException:  # Ctrl-C, or SIGTERM's exit (`main`): the analyze goes too
             process.kill()
+            process.wait()
             raise
         finally:
             if limit is not None:
@@ -291,16 +294,18 @@ def gib(n) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
 
-def stage_rows(result: dict) -> list[tuple[str, float | None, int | None]]:
-    """(step, seconds, peak RSS bytes) in the order analyze ran them, the PK stages of run.json indented under
-    their step; peak RSS where analyze recorded one (--json `stages`, else run.json's)."""
+def stage_rows(result: dict) -> list[tuple[str, float | None, int | None, int | None]]:
+    """(step, seconds, peak RSS bytes, peak GPU bytes) in the order analyze ran them, the PK stages of run.json
+    indented under their step; the peaks where analyze recorded them (--json `stages`, else run.json's; the GPU's
+    only where the process used CUDA: torch's allocator, per stage)."""
     summary, run = result["summary"], result["run"]
     stages = summary.get("stages") or run.get("stages") or {}
     rows = []
     for step, seconds in summary["timings_s"].items():
-        rows.append((step, seconds, (stages.get(step) or {}).get("peak_rss_bytes")))
+        stage = stages.get(step) or {}
+        rows.append((step, seconds, stage.get("peak_rss_bytes"), stage.get("peak_gpu_bytes")))
         if step == "pk_and_significance":
-            rows += [(f"  {name}", s, None) for name, s in (run.get("timings_s") or {}).items()
+            rows += [(f"  {name}", s, None, None) for name, s in (run.get("timings_s") or {}).items()
                      if isinstance(s, (int, float))]
     return rows
 
@@ -340,12 +345,13 @@ def print_result(built: dict, result: dict) -> None:
         print(f"  no table: analyze exited {result['rc']} after {result['wall']:.1f} s, ru_maxrss "
               f"{gib(result['maxrss'])} GiB")
         return
-    print(f"  {'step':<28}{'seconds':>10}{'peak RSS GiB':>14}")
     rows = stage_rows(result)
-    for name, seconds, peak in rows:
-        print(f"  {name:<28}{seconds:>10.1f}{gib(peak):>14}")
-    steps = sum(s for name, s, _ in rows if not name.startswith(" "))
-    peak = max([result["maxrss"], *(p for _, _, p in rows if p is not None)])
+    on_gpu = any(gpu is not None for *_, gpu in rows)
+    print(f"  {'step':<28}{'seconds':>10}{'peak RSS GiB':>14}" + (f"{'peak GPU GiB':>14}" if on_gpu else ""))
+    for name, seconds, peak, gpu in rows:
+        print(f"  {name:<28}{seconds:>10.1f}{gib(peak):>14}" + (f"{gib(gpu):>14}" if on_gpu else ""))
+    steps = sum(s for name, s, *_ in rows if not name.startswith(" "))
+    peak = max([result["maxrss"], *(p for _, _, p, _ in rows if p is not None)])
     print(f"  {'python start, imports':<28}{result['wall'] - steps:>10.1f}")
     print(f"  {'process wall, peak RSS':<28}{result['wall']:>10.1f}{gib(peak):>14}  ({peak / checkpoint:.1f}x the "
           "checkpoint's bytes)")
@@ -415,19 +421,23 @@ def shape_spec(text: str) -> tuple[str, int | None]:
 
 
 def print_summary(results: list[tuple[Shape, dict, dict]]) -> None:
-    """One table of every shape's steps: seconds and peak RSS (GiB) side by side."""
+    """One table of every shape's steps: seconds and peak RSS (GiB) side by side, and peak GPU memory (GiB) where
+    the processes used CUDA."""
     done = [(shape, built, result) for shape, built, result in results if result["summary"] is not None]
     if len(done) < 2:
         return
-    tables = [{name: (seconds, peak) for name, seconds, peak in stage_rows(result)} for _, _, result in done]
+    tables = [{name: row for name, *row in stage_rows(result)} for _, _, result in done]
+    on_gpu = any(row[2] is not None for table in tables for row in table.values())
+    width = 36 if on_gpu else 26
     steps = list(dict.fromkeys(name for table in tables for name in table))
-    print("\n== all shapes: seconds / peak RSS GiB per step")
-    print(f"  {'step':<28}" + "".join(f"{shape.name.split(' ')[0]:>26}" for shape, _, _ in done))
+    print("\n== all shapes: seconds / peak RSS GiB" + (" / peak GPU GiB" if on_gpu else "") + " per step")
+    print(f"  {'step':<28}" + "".join(f"{shape.name.split(' ')[0]:>{width}}" for shape, _, _ in done))
     for step in steps:
         cells = [table.get(step) for table in tables]
-        print(f"  {step:<28}" + "".join(f"{'-':>26}" if c is None else f"{c[0]:>16.1f}{gib(c[1]):>10}" for c in cells))
-    print(f"  {'process wall':<28}" + "".join(f"{r['wall']:>16.1f}{'':>10}" for _, _, r in done))
-    print(f"  {'checkpoint GB (bf16)':<28}" + "".join(f"{b['file_bytes'] / 1e9:>26.2f}" for _, b, _ in done))
+        print(f"  {step:<28}" + "".join(f"{'-':>{width}}" if c is None else f"{c[0]:>16.1f}{gib(c[1]):>10}"
+                                         + (f"{gib(c[2]):>10}" if on_gpu else "") for c in cells))
+    print(f"  {'process wall':<28}" + "".join(f"{r['wall']:>16.1f}{'':>{width - 16}}" for _, _, r in done))
+    print(f"  {'checkpoint GB (bf16)':<28}" + "".join(f"{b['file_bytes'] / 1e9:>{width}.2f}" for _, b, _ in done))
 
 
 def main():
@@ -455,6 +465,9 @@ def main():
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be at least 1")
     print(f"== bench_scale, {machine()}", flush=True)
+    # stopped by a signal (gpu_check's timeout sends SIGTERM): exit through Python, the checkpoints' temporary folder
+    # (GBs) removed on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"bench_scale: stopped by signal {signum}"))
     results = []
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for name, layers in args.shape or [(name, None) for name in DEFAULT_SHAPES]:
