@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path, verified on any machine with a GPU in one command (at most 5 minutes):
 #   bash benchmarks/gpu_check.sh
-# 1. the CUDA tests (pytest -m cuda: engine, calibration and a whole analyze on CUDA equal to the CPU);
+# 1. the CUDA tests (pytest -m cuda: engine, calibration, PK on CUDA equal to the CPU, whole analyses of bf16
+#    checkpoints streamed onto the GPU with roles and causal effects equal to the CPU's, each stage's GPU peak);
 # 2. bench_scale with --device cuda --types all: whole `headgraph analyze` processes (PK of all 16 types, roles,
 #    causal effects on 8 inputs per set and loss effects on 4 of them, a third of the defaults' inputs, embedded
 #    store; no report, whose figures are CPU work) on random-init bf16 checkpoints of the TinyLlama-1.1B shape and
@@ -46,9 +47,10 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND under min(LIMIT_S, what is
     steps+=("$(printf '  %-64s %4d s  %s' "$name" $((SECONDS - began)) "$outcome")")
 }
 
-step "CUDA tests" 35 \
-    python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_pk.py tests/test_calibration.py tests/test_analyze.py
-step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --types all, CUDA" 150 \
+step "CUDA tests" 60 \
+    python3 -m pytest -m cuda -q -rs -p no:cacheprovider \
+    tests/test_pk.py tests/test_calibration.py tests/test_analyze.py tests/test_workflow.py
+step "bench_scale: TinyLlama-1.1B, Llama-3-8B (${layers_8b} of 32 layers), --types all, CUDA" 125 \
     python3 benchmarks/bench_scale.py --device cuda --types all --max-memory 16GiB --no-report --timeout 60 \
     --causal-n 8 --causal-loss-inputs 4 \
     --shape tinyllama-1.1b --shape "llama3-8b:${layers_8b}"

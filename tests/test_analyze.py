@@ -244,6 +244,44 @@ def test_a_cuda_run_equals_the_cpu_run(planted_model):
     assert ((merged.q_model_cuda < 0.05) == (merged.q_model_cpu < 0.05)).mean() >= 0.99  # ties may differ
 
 
+def _same_analysis_on(device: str, folder: Path, tmp_path: Path) -> None:
+    """The whole analysis of `folder` on `device` equals the CPU's: PK, role scores and p-values with the same
+    decisions, local effects and attributions, loss effects (float32 products summed in other orders; TF32 off)."""
+    from _fast import FAST
+
+    from headgraph import analyze
+
+    cpu, other = (analyze(folder, device=d, out=tmp_path / f"run-{i}", progress=False, seed=1, **FAST)
+                  for i, d in enumerate(("cpu", device)))
+    assert other.record.device == device and not cpu.pairs.effect_loss.isna().all()
+    key = ["source", "target", "source_type", "target_type"]
+    merged = cpu.pairs.merge(other.pairs, on=key, suffixes=("_cpu", "_other"))
+    assert len(merged) == len(cpu.pairs) == len(other.pairs)
+    for column in ("pk", "cs", "effect", "effect_lo", "effect_hi", "effect_attr", "effect_loss"):
+        found, expected = merged[f"{column}_other"], merged[f"{column}_cpu"]
+        assert found.isna().equals(expected.isna()), column
+        scale = np.nanmax(np.abs(expected))
+        np.testing.assert_allclose(found, expected, rtol=1e-3, atol=1e-5 * scale, err_msg=column)
+    roles = [c for c in cpu.heads.columns if c.endswith(("_score", "_p"))]
+    assert roles
+    np.testing.assert_allclose(other.heads[roles], cpu.heads[roles], rtol=1e-3, atol=1e-6)
+    decided = [c for c in cpu.heads.columns if c.endswith("_sig")]
+    assert (other.heads[decided] == cpu.heads[decided]).to_numpy().mean() >= 0.98  # a p-value at α may flip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_a_whole_cuda_analysis_with_roles_and_causal_effects_equals_the_cpu_one(family, tmp_path):
+    """A bf16 checkpoint streamed onto the GPU (LayerNorm; rotary grouped-query RMSNorm; QK-norm): what the PK
+    test above checks for PK, for roles, the local effects with attribution's backward passes and the loss
+    effects too."""
+    from headgraph.testing.families import save_family
+    from headgraph.testing.synthetic import as_bf16
+
+    _same_analysis_on("cuda", as_bf16(save_family(family, tmp_path / family)), tmp_path)
+
+
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
     from headgraph.testing.synthetic import save_synthetic_gqa
