@@ -272,10 +272,11 @@ def load_hf_model(folder: Path, device: str, dtype: torch.dtype = torch.float32)
     missing = _base_prefix_missing(model, info["missing_keys"])
     if missing:
         raise BadWeights(f"weights in '{folder}' lack {len(missing)} tensors, e.g. {missing[0]}")
+    model = model.to(device)  # checked where it computes: on a GPU, not by a scan of every weight on the host
     bad = next((n for n, p in model.named_parameters() if not all_finite(p)), None)
     if bad is not None:
         raise BadWeights(f"weights in '{folder}' contain NaN or Inf in {bad}")
-    return model.to(device).eval()
+    return model.eval()
 
 
 def all_finite(t: torch.Tensor) -> bool:
