@@ -178,20 +178,23 @@ def run_scipy_sample(w: dict, n_sample: int, seed: int) -> tuple[float, int, dic
     """Seconds per pair of a scipy subspace_angles loop (on a random sample), the number of pairs, and the
     sampled PKs {(target, i, j): pk} for a cross-check."""
     rng = np.random.default_rng(seed)
-    o = head_matrices(w["O"], "O").cpu().double()
-    o = o.reshape(-1, *o.shape[2:]).numpy()
+    o = head_matrices(w["O"], "O")
+    o = o.reshape(-1, *o.shape[2:])
     layers_o = np.repeat(np.arange(w["O"].shape[0]), w["O"].shape[1])
     total, elapsed, sampled = 0, 0.0, {}
     per_target = max(1, n_sample // len(TARGETS))
     for t in TARGETS:
-        m = w[t].cpu().double()
-        m = m.reshape(-1, *m.shape[2:]).numpy()
+        m = w[t].reshape(-1, *w[t].shape[2:])
         layers_t = np.repeat(np.arange(w[t].shape[0]), w[t].shape[1])
         pairs = np.argwhere(layers_o[:, None] < layers_t[None, :])
         total += len(pairs)
+        chosen = pairs[rng.choice(len(pairs), per_target, replace=False)]
+        # only the sampled heads copied to the host, in float64, before the clock starts
+        heads = {(x, i): (o if x == "O" else m)[i].cpu().double().numpy()
+                 for x, column in (("O", 0), (t, 1)) for i in set(chosen[:, column].tolist())}
         start = time.perf_counter()
-        for i, j in pairs[rng.choice(len(pairs), per_target, replace=False)]:
-            sampled[(t, i, j)] = float(np.sum(np.cos(subspace_angles(o[i], m[j])) ** 2))
+        for i, j in chosen:
+            sampled[(t, i, j)] = float(np.sum(np.cos(subspace_angles(heads["O", i], heads[t, j])) ** 2))
         elapsed += time.perf_counter() - start
     return elapsed / (per_target * len(TARGETS)), total, sampled
 
