@@ -20,7 +20,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HEADGRAPH_CACHE_DIR="${HEADGRAPH_CACHE_DIR:-$(mktemp -d)}"  # measure the GPU's kernel rates afresh
+if [ -z "${HEADGRAPH_CACHE_DIR:-}" ]; then  # measure the GPU's kernel rates afresh, in a folder removed on exit
+    HEADGRAPH_CACHE_DIR="$(mktemp -d)"
+    trap 'rm -rf "$HEADGRAPH_CACHE_DIR"' EXIT
+fi
+export HEADGRAPH_CACHE_DIR
 budget=${GPU_CHECK_BUDGET_S:-300}
 layers_8b=${SCALE_8B_LAYERS:-8}
 start=$SECONDS
