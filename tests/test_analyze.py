@@ -246,7 +246,9 @@ def test_a_cuda_run_equals_the_cpu_run(planted_model):
 
 def _same_analysis_on(device: str, folder: Path, tmp_path: Path) -> None:
     """The whole analysis of `folder` on `device` equals the CPU's: PK, role scores and p-values with the same
-    decisions, local effects and attributions, loss effects (float32 products summed in other orders; TF32 off)."""
+    decisions, local effects and attributions, loss effects (float32 products summed in other orders; TF32 off).
+    A loss effect is a difference of float32 losses of about log(vocabulary) = 6 nats a token, so it is held to
+    1e-5 nats, not to its own size (a random GPT-2's are about 1e-5 nats)."""
     from _fast import FAST
 
     from headgraph import analyze
@@ -260,8 +262,8 @@ def _same_analysis_on(device: str, folder: Path, tmp_path: Path) -> None:
     for column in ("pk", "cs", "effect", "effect_lo", "effect_hi", "effect_attr", "effect_loss"):
         found, expected = merged[f"{column}_other"], merged[f"{column}_cpu"]
         assert found.isna().equals(expected.isna()), column
-        scale = np.nanmax(np.abs(expected))
-        np.testing.assert_allclose(found, expected, rtol=1e-3, atol=1e-5 * scale, err_msg=column)
+        atol = 1e-5 if column == "effect_loss" else 1e-4 * np.nanmax(np.abs(expected))
+        np.testing.assert_allclose(found, expected, rtol=1e-3, atol=atol, err_msg=column)
     roles = [c for c in cpu.heads.columns if c.endswith(("_score", "_p"))]
     assert roles
     np.testing.assert_allclose(other.heads[roles], cpu.heads[roles], rtol=1e-3, atol=1e-6)
