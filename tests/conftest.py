@@ -115,13 +115,18 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
 # ---- test order (helper "suite") ----
 # scripts/test hands each xdist worker whole modules (--dist loadfile) in this order (--no-loadscope-reorder):
-# first the modules whose few tests take longest (real processes and servers, every family analysed), longest
-# first by one worker's seconds in a full run on the 2-core CI VM (2026-12-04: 221, 214, 176, 126, 100, 86, 80,
-# 59, 57, 51, 50, 45, 43, 40 s), then the rest by their number of tests, as xdist would order them all. Ordered
-# by number of tests alone, the faults and Ray modules started last and ran on past the others by a minute.
-LONGEST_MODULES = ("test_families", "test_faults", "test_readonly", "test_sweep_ray", "test_sweep", "test_stream",
-                   "test_user_errors", "test_store", "test_browser", "test_view", "test_export", "test_report",
-                   "test_api", "test_queries")
+# first every module that takes more than a few seconds, longest first by one worker's seconds in a full run on the
+# 2-core CI VM (2026-12-07: 229, 213, 157, 124, 112, 104, 50, 45, 33, 33, 31, 30, 27, 27, 23, 20, 19, 19, 18, 14,
+# 13, 12, 12, 10, 10, 9, 9, 9, 8 s), so that the short ones fill the workers' last minutes; then the rest by their
+# number of tests, as xdist would order them all. Ordered by number of tests alone, the faults and Ray modules
+# started last and ran on past the others by a minute; with only the 14 longest first, one worker still ran on
+# 18 s past the others, on two modules of 19 and 9 s.
+LONGEST_MODULES = ("test_stream", "test_faults", "test_families", "test_readonly", "test_sweep_ray", "test_sweep",
+                   "test_analyze", "test_view", "test_api", "test_user_errors", "test_report", "test_store",
+                   "test_export", "test_stream_families", "test_sweep_queries", "test_causal", "test_sweep_trainer",
+                   "test_causal_analyze", "test_browser", "test_calibration", "test_stability", "test_reference",
+                   "test_workflow", "test_queries", "test_causal_families", "test_pk", "test_figures",
+                   "test_sweep_revisions", "test_architecture")
 
 
 def pytest_collection_modifyitems(config, items):
