@@ -16,9 +16,9 @@ import pytest
 import torch
 from _cli import run_cli
 from _commands import command_environment
-from _fast import PK, flags
+from _fast import FAST, PK, flags
 
-from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS
+from headgraph.analysis.artifacts import HEAD_COLUMNS, PAIR_COLUMNS, PAIR_KEY
 from headgraph.errors import UsageError
 from headgraph.loader.models import load_model
 from headgraph.pipeline import compute_pk
@@ -249,15 +249,12 @@ def _same_analysis_on(device: str, folder: Path, tmp_path: Path) -> None:
     decisions, local effects and attributions, loss effects (float32 products summed in other orders; TF32 off).
     A loss effect is a difference of float32 losses of about log(vocabulary) = 6 nats a token, so it is held to
     1e-5 nats, not to its own size (a random GPT-2's are about 1e-5 nats)."""
-    from _fast import FAST
-
     from headgraph import analyze
 
     cpu, other = (analyze(folder, device=d, out=tmp_path / f"run-{i}", progress=False, seed=1, **FAST)
                   for i, d in enumerate(("cpu", device)))
     assert other.record.device == device and not cpu.pairs.effect_loss.isna().all()
-    key = ["source", "target", "source_type", "target_type"]
-    merged = cpu.pairs.merge(other.pairs, on=key, suffixes=("_cpu", "_other"))
+    merged = cpu.pairs.merge(other.pairs, on=PAIR_KEY, suffixes=("_cpu", "_other"))
     assert len(merged) == len(cpu.pairs) == len(other.pairs)
     for column in ("pk", "cs", "effect", "effect_lo", "effect_hi", "effect_attr", "effect_loss"):
         found, expected = merged[f"{column}_other"], merged[f"{column}_cpu"]
