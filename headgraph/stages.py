@@ -135,12 +135,14 @@ def _peaks() -> tuple[int, int | None]:
     return _peak_bytes(), None if cuda is None else cuda.max_memory_allocated()
 
 
-def _higher(a: int | None, b: int | None) -> int | None:
-    return a if b is None else b if a is None else max(a, b)
+def _higher(a: tuple[int, int | None], b: tuple[int, int | None]) -> tuple[int, int | None]:
+    """The higher of two (RSS, GPU) peaks, each on its own (a GPU peak of None is no peak)."""
+    gpu = a[1] if b[1] is None else b[1] if a[1] is None else max(a[1], b[1])
+    return max(a[0], b[0]), gpu
 
 
 def _fold_peak(peaks: tuple[int, int | None]) -> None:
-    _open_peaks[:] = [(max(rss, peaks[0]), _higher(gpu, peaks[1])) for rss, gpu in _open_peaks]
+    _open_peaks[:] = [_higher(open_peak, peaks) for open_peak in _open_peaks]
 
 
 def _start_peak() -> None:
@@ -158,8 +160,6 @@ def _start_peak() -> None:
 
 def _stop_peak() -> tuple[int, int | None]:
     """A stage ends: its peaks (RSS, GPU), also counted in the stages around it."""
-    rss, gpu = _open_peaks.pop()
-    now = _peaks()
-    peaks = max(rss, now[0]), _higher(gpu, now[1])
+    peaks = _higher(_open_peaks.pop(), _peaks())
     _fold_peak(peaks)
     return peaks
