@@ -189,16 +189,17 @@ def test_resampled_ranks_are_scipys_average_ranks_of_each_resample():
 
     rng = np.random.default_rng(1)
     x = np.round(rng.normal(size=200), 1)  # many ties
-    counts = rng.multinomial(200, np.full(200, 1 / 200), size=5).T.astype(float)  # [items, resamples]
+    x[:3] = x.min() - 1  # and a group of ties ranked first
+    counts = rng.multinomial(200, np.full(200, 1 / 200), size=5).astype(float)  # [resamples, items]
     for work in (None, (np.full_like(counts, np.nan), np.full_like(counts, np.nan))):
-        ranks = E._resampled_ranks(x, counts, work)
+        ranks = E._resampled_ranks(E._ranking(x), counts, work)
         for b in range(5):
-            items = np.repeat(np.arange(200), counts[:, b].astype(int))
-            np.testing.assert_allclose(ranks[items, b], rankdata(x[items]))
+            items = np.repeat(np.arange(200), counts[b].astype(int))
+            np.testing.assert_allclose(ranks[b, items], rankdata(x[items]))
     distinct = rng.permutation(200).astype(float)  # no ties: the other branch
-    ranks = E._resampled_ranks(distinct, counts)
-    items = np.repeat(np.arange(200), counts[:, 0].astype(int))
-    np.testing.assert_allclose(ranks[items, 0], rankdata(distinct[items]))
+    ranks = E._resampled_ranks(E._ranking(distinct), counts)
+    items = np.repeat(np.arange(200), counts[0].astype(int))
+    np.testing.assert_allclose(ranks[0, items], rankdata(distinct[items]))
 
 
 @pytest.mark.parametrize("drawn_at_once", [E.DRAWN_AT_ONCE, 660])
