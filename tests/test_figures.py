@@ -195,3 +195,48 @@ def test_topk_graph_places_kv_heads_at_their_query_group(tmp_path):
     assert kv["head:L1KV0"].tolist() == [1.5, 1.0] and kv["head:L2KV1"].tolist() == [5.5, 2.0]
     ends = {p.get_gid(): p._posA_posB[1] for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)}
     assert ends["edge:L0H1->L1KV0:OK"] == (1.5, 1) and ends["edge:L0H5->L2KV1:OV"] == (5.5, 2)
+
+
+def _effect_pairs(n_per_type=400, seed=0):
+    """OQ/OK/OV pairs with PK and a local effect; CS on the OQ rows only, as on a grouped-query model (whose OK/OV
+    receivers are KV heads)."""
+    rng = np.random.default_rng(seed)
+    kinds = np.repeat(["Q", "K", "V"], n_per_type)
+    effect = rng.gamma(1.0, 0.03, len(kinds))
+    return pd.DataFrame({"source_type": "O", "target_type": kinds, "pk": rng.normal(2.0, 0.1, len(kinds)),
+                         "cs": np.where(kinds == "Q", rng.normal(0.02, 0.001, len(kinds)), np.nan),
+                         "effect": effect, "effect_lo": effect - 0.01})
+
+
+def test_effect_scatter_legends_stay_where_matplotlibs_best_placement_puts_them():
+    """The legends are placed once, where loc="best" puts them on the laid-out figure, and stay there when points
+    are drawn under them (the search for the best place would run at every draw otherwise)."""
+    pairs = _effect_pairs()
+
+    def legends():
+        fig = figures.effect_scatter(pairs, "m", 0.05, (pairs["effect_lo"] > 0.05).to_numpy())
+        return fig, [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+
+    fig, fixed = legends()
+    assert len(fixed) == 4  # PK of each type and CS of OQ
+    placed = [legend.get_window_extent().bounds for legend in fixed]
+    for legend in fixed:  # a dense blob of points under each legend
+        box = legend.get_window_extent().transformed(legend.axes.transData.inverted())
+        grid = np.meshgrid(np.linspace(box.x0, box.x1, 30), np.linspace(box.y0, box.y1, 30))
+        legend.axes.scatter(grid[0].ravel(), grid[1].ravel(), s=4)
+    fig.draw_without_rendering()
+    assert [legend.get_window_extent().bounds for legend in fixed] == placed
+    fig, best = legends()
+    for legend in best:
+        legend.set_loc("best")
+    fig.draw_without_rendering()
+    np.testing.assert_allclose([legend.get_window_extent().bounds for legend in best], placed, atol=1e-6)
+
+
+def test_effect_scatter_names_a_metric_a_type_lacks_instead_of_an_empty_panel():
+    pairs = _effect_pairs()
+    fig = figures.effect_scatter(pairs, "m", 0.05, (pairs["effect_lo"] > 0.05).to_numpy())
+    empty = [ax for ax in fig.axes if not ax.axison]
+    assert [ax.get_title() for ax in empty] == ["O→K", "O→V"]
+    assert all(ax.texts[0].get_text() == "no Composition Score for these pairs" for ax in empty)
+    assert not any(ax.collections for ax in empty)

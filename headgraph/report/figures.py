@@ -248,12 +248,18 @@ def effect_scatter(pairs, model, threshold, causal):
     types = [tp for tp in COMPOSITION_TYPES if tp in set(kinds)]
     fig, axes = plt.subplots(2, len(types), figsize=(4.6 * len(types), 7.6), squeeze=False)
     units = {"Q": "attention moved (TV)", "K": "attention moved (TV)", "V": "relative output change"}
+    legends = []
     for col, tp in enumerate(types):
         sub = with_effect[kinds == tp]
         marked = causal[with_effect.index[kinds == tp]]
         for row, (metric, label) in enumerate((("pk", "PK (raw)"), ("cs", "Composition Score"))):
             ax = axes[row, col]
             part = sub[sub[metric].notna()]
+            if part.empty:  # e.g. CS, defined per query head, of a grouped-query model's KV-head receivers
+                ax.set_title(f"{tp[0]}→{tp[1]}", fontsize=10)
+                ax.text(0.5, 0.5, f"no {label} for these pairs", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+                continue
             hit = marked[part.index]
             ax.scatter(part.loc[~hit, metric], part.loc[~hit, "effect"], s=7, alpha=0.45, color="#999999",
                        rasterized=True, label=f"pairs ({int((~hit).sum()):,})")
@@ -264,10 +270,21 @@ def effect_scatter(pairs, model, threshold, causal):
             ax.set_title(f"{tp[0]}→{tp[1]}: Spearman ρ = {rho:.2f}", fontsize=10)
             ax.set_xlabel(label)
             ax.set_ylabel(f"local effect: {units[tp[1]]}")
-            ax.legend(fontsize=7, loc="best")
+            legends.append(ax.legend(fontsize=7, loc="best"))
     fig.suptitle(f"{model}: weights (PK, CS) against causal effect (direct-path patching), earlier → later pairs")
     fig.tight_layout()
+    _fix_legends(fig, legends)
     return fig
+
+
+def _fix_legends(fig, legends):
+    """Fix each legend where matplotlib's loc="best" puts it in `fig` as laid out now: that search counts the
+    points under each candidate box, and it runs at every draw (saving as PNG and SVG draws four times): 10.5 s
+    of the 13.0 s that a 1.1B-parameter run's effect scatter took to save, 236,544 points in two of its panels."""
+    fig.draw_without_rendering()
+    for legend in legends:
+        box = legend.get_window_extent().transformed(legend.axes.transAxes.inverted())
+        legend.set_loc((box.x0, box.y0))
 
 
 def head_classes(classes):
