@@ -238,5 +238,14 @@ def test_effect_scatter_names_a_metric_a_type_lacks_instead_of_an_empty_panel():
     fig = figures.effect_scatter(pairs, "m", 0.05, (pairs["effect_lo"] > 0.05).to_numpy())
     empty = [ax for ax in fig.axes if not ax.axison]
     assert [ax.get_title() for ax in empty] == ["O→K", "O→V"]
-    assert all(ax.texts[0].get_text() == "no Composition Score for these pairs" for ax in empty)
+    assert all(ax.texts[0].get_text().startswith("no Composition Score for these pairs") for ax in empty)
     assert not any(ax.collections for ax in empty)
+
+
+def test_pk_vs_cs_names_the_types_without_composition_scores():
+    pairs = _effect_pairs()
+    fig = figures.pk_vs_cs(pairs, "m")
+    assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["O→Q"]
+    assert "OK, OV: no Composition Score" in fig._suptitle.get_text()
+    full = pairs.assign(cs=pairs["pk"] / 100)
+    assert "no Composition Score" not in figures.pk_vs_cs(full, "m")._suptitle.get_text()

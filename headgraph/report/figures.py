@@ -212,11 +212,14 @@ def top_fraction_cutoff(values, fraction=0.03):
 
 
 def pk_vs_cs(pairs, model, fraction=0.03):
-    """PK against Composition Score per composition type with the top-`fraction` cut-offs; None if no CS."""
+    """PK against Composition Score per composition type with the top-`fraction` cut-offs, the types without CS
+    named in the title (a grouped-query model's OK / OV: their receivers are KV heads); None if no CS."""
     with_cs = pairs[pairs["cs"].notna()]
     types = [tp for tp in COMPOSITION_TYPES if tp in set(with_cs["source_type"] + with_cs["target_type"])]
     if not types:
         return None
+    lacking = [tp for tp in COMPOSITION_TYPES if tp in set(pairs["source_type"] + pairs["target_type"])
+               and tp not in types]
     fig, axes = plt.subplots(1, len(types), figsize=(5 * len(types), 4.4), squeeze=False)
     pct = f"{fraction * 100:g} %"
     for ax, tp in zip(axes.flat, types):
@@ -232,7 +235,11 @@ def pk_vs_cs(pairs, model, fraction=0.03):
         ax.set_xlabel("Composition Score (Elhage et al., unitless 0…1)")
         ax.set_ylabel("PK (raw)")
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"{model}: Projection Kernel vs Composition Score, earlier → later head pairs")
+    title = f"{model}: Projection Kernel vs Composition Score, earlier → later head pairs"
+    if lacking:
+        title += (f"\n{', '.join(lacking)}: no Composition Score (it is per query head; these pairs' receivers are "
+                  "KV heads)")
+    fig.suptitle(title, fontsize=10 if lacking else None)
     fig.tight_layout()
     return fig
 
@@ -257,7 +264,8 @@ def effect_scatter(pairs, model, threshold, causal):
             part = sub[sub[metric].notna()]
             if part.empty:  # e.g. CS, defined per query head, of a grouped-query model's KV-head receivers
                 ax.set_title(f"{tp[0]}→{tp[1]}", fontsize=10)
-                ax.text(0.5, 0.5, f"no {label} for these pairs", ha="center", va="center", transform=ax.transAxes)
+                why = "\n(it is per query head; their receivers are KV heads)" if metric == "cs" else ""
+                ax.text(0.5, 0.5, f"no {label} for these pairs{why}", ha="center", va="center", transform=ax.transAxes)
                 ax.set_axis_off()
                 continue
             hit = marked[part.index]
