@@ -118,7 +118,7 @@ def test_pk_distributions_marks_the_reference_mean_and_kl(run):
         assert f"{run['kl'][tp]:.3f}" in ax.get_title()
         vlines = [line.get_xdata()[0] for line in ax.lines if len(set(line.get_xdata())) == 1]
         assert pytest.approx(D_HEAD * D_HEAD / D_MODEL) in vlines
-    assert "synthetic" in fig._suptitle.get_text() and "Haar" in fig._suptitle.get_text()
+    assert "synthetic" in fig.get_suptitle() and "Haar" in fig.get_suptitle()
 
 
 def test_a_spread_out_pk_histogram_gets_a_log_axis_labelled_in_plain_decades(run):
@@ -246,6 +246,6 @@ def test_pk_vs_cs_names_the_types_without_composition_scores():
     pairs = _effect_pairs()
     fig = figures.pk_vs_cs(pairs, "m")
     assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["O→Q"]
-    assert "OK, OV: no Composition Score" in fig._suptitle.get_text()
+    assert "OK, OV: no Composition Score" in fig.get_suptitle()
     full = pairs.assign(cs=pairs["pk"] / 100)
-    assert "no Composition Score" not in figures.pk_vs_cs(full, "m")._suptitle.get_text()
+    assert "no Composition Score" not in figures.pk_vs_cs(full, "m").get_suptitle()

@@ -32,14 +32,9 @@ def resample_counts(n: int, n_boot: int, seed) -> np.ndarray:
 def draw_counts(rng: np.random.Generator, n: int, n_boot: int, by_resample: bool = False) -> np.ndarray:
     """Copies [n, n_boot] of each item in n_boot resamples drawn from `rng` as
     `rng.integers(0, n, size=(n_boot, n))` (resample b: its row b); [n_boot, n] where `by_resample`."""
-    draws = rng.integers(0, n, size=(n_boot, n))
-    if by_resample:
-        draws += (np.arange(n_boot) * n)[:, None]
-    else:
-        draws *= n_boot
-        draws += np.arange(n_boot)[:, None]
-    shape = (n_boot, n) if by_resample else (n, n_boot)
-    return np.bincount(draws.ravel(), minlength=n * n_boot).reshape(shape).astype(float)
+    draws = rng.integers(0, n, size=(n_boot, n)) + (np.arange(n_boot) * n)[:, None]
+    counts = np.bincount(draws.ravel(), minlength=n * n_boot).reshape(n_boot, n)
+    return (counts if by_resample else counts.T).astype(float, order="C")
 
 
 def percentile_interval(boot: np.ndarray, confidence: float = CONFIDENCE, axis: int = -1

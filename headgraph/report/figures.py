@@ -211,6 +211,9 @@ def top_fraction_cutoff(values, fraction=0.03):
     return float(np.quantile(np.asarray(values, dtype=float), 1 - fraction))
 
 
+NO_CS_REASON = "it is per query head; these pairs' receivers are KV heads"  # a grouped-query model's OK / OV
+
+
 def pk_vs_cs(pairs, model, fraction=0.03):
     """PK against Composition Score per composition type with the top-`fraction` cut-offs, the types without CS
     named in the title (a grouped-query model's OK / OV: their receivers are KV heads); None if no CS."""
@@ -237,8 +240,7 @@ def pk_vs_cs(pairs, model, fraction=0.03):
         ax.legend(fontsize=7, loc="upper left")
     title = f"{model}: Projection Kernel vs Composition Score, earlier → later head pairs"
     if lacking:
-        title += (f"\n{', '.join(lacking)}: no Composition Score (it is per query head; these pairs' receivers are "
-                  "KV heads)")
+        title += f"\n{', '.join(lacking)}: no Composition Score ({NO_CS_REASON})"
     fig.suptitle(title, fontsize=10 if lacking else None)
     fig.tight_layout()
     return fig
@@ -264,7 +266,7 @@ def effect_scatter(pairs, model, threshold, causal):
             part = sub[sub[metric].notna()]
             if part.empty:  # e.g. CS, defined per query head, of a grouped-query model's KV-head receivers
                 ax.set_title(f"{tp[0]}→{tp[1]}", fontsize=10)
-                why = "\n(it is per query head; their receivers are KV heads)" if metric == "cs" else ""
+                why = f"\n({NO_CS_REASON})" if metric == "cs" else ""
                 ax.text(0.5, 0.5, f"no {label} for these pairs{why}", ha="center", va="center", transform=ax.transAxes)
                 ax.set_axis_off()
                 continue
