@@ -495,7 +495,7 @@ def status(key):
     return int(re.search(rf"^{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
 
 model = load_model(sys.argv[1], device="cpu")
-inputs = causal_inputs(model, 16, seed=0)
+inputs = causal_inputs(model, 8, seed=0)
 local_effects(model, [s.batch(0, 2) for s in inputs], n_boot=10)  # what a first run builds, built
 grown = {}
 for name, max_memory in json.loads(sys.argv[2]).items():
@@ -513,17 +513,18 @@ print(json.dumps(grown))
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="VmHWM is reset through Linux's /proc")
 def test_the_local_effects_hold_batches_within_their_budget(tmp_path):
-    """A Llama of 8 layers, d_model 512 (16 heads of 32, 4 KV heads) on 16 inputs per set: a batch of all 16 with
-    the gradients of attribution holds about 300 MB and takes about as much again to build, so under a 256 MiB
-    budget its batches take 5 or 6 inputs, and the local effects grow the process by less than 1.5 times the
-    budget (what `batch_bytes` does not count, the products c(W_O) Γ W among it, comes on top: 283-297 MB when
-    measured); under the 2 GiB default they take all 16, attribution's passes several points of the path each, and
-    grow it by more than twice as much (1.49-1.57 GB when measured). Both runs are one process's, each after the
-    heap the last one freed is given back, in either order. The effects are the same either way (attribution to
-    float32 rounding of its 8-layer backward passes over batches of other sizes: 4e-5 of its largest value)."""
+    """A Llama of 6 layers, d_model 512 (16 heads of 32, 4 KV heads) on 8 inputs per set: a batch of all 8 with
+    the gradients of attribution holds 54 or 108 MiB (inputs of 24 or 41 tokens) and takes about as much again to
+    build, so under a 96 MiB budget its batches take 3 or 4 inputs, and the local effects grow the process by less
+    than 1.5 times the budget (what `batch_bytes` does not count, the products c(W_O) Γ W among it, comes on top:
+    104-108 MiB when measured); under the 2 GiB default they take all 8, attribution's passes several points of the
+    path each, and grow it by more than twice as much (535-555 MiB when measured). Both runs are one process's, each
+    after the heap the last one freed is given back, in either order. The effects are the same either way
+    (attribution to float32 rounding of its 6-layer backward passes over batches of other sizes: 2e-6 of its
+    largest value)."""
     folder = tmp_path / "llama"
-    _wide_llama(folder, vocab=512, layers=8, d_model=512, heads=16, mlp=1024)
-    budget = 256 * 2**20
+    _wide_llama(folder, vocab=512, layers=6, d_model=512, heads=16, mlp=1024)
+    budget = 96 * 2**20
     found = subprocess.run([sys.executable, "-c", _LOCAL_PEAK, str(folder),
                             json.dumps({"small": budget, "large": 2 * 2**30}), str(tmp_path)],
                            check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
