@@ -441,10 +441,10 @@ def _analyze_process(source: Path, out: Path, max_memory: int, *flags: str, role
     return json.loads((out / "run.json").read_text())
 
 
-def _wide_llama(folder: Path, vocab: int, layers: int, dtype=torch.float32, d_model: int = 256, heads: int = 8,
+def _wide_llama(folder: Path, vocab: int, layers: int, d_model: int = 256, heads: int = 8,
                 mlp: int = 8192) -> tuple[int, int]:
-    """A Llama whose MLPs dwarf its attention (by default: 8 heads on 4 KV heads of 32, MLP 8192) saved in `dtype`
-    with its tokenizer; (its bytes in float32, one layer's bytes in float32)."""
+    """A Llama whose MLPs dwarf its attention (by default: 8 heads on 4 KV heads of 32, MLP 8192) saved in float32
+    with its tokenizer; (its bytes, one layer's bytes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from headgraph.loader.models import quiet
@@ -459,7 +459,7 @@ def _wide_llama(folder: Path, vocab: int, layers: int, dtype=torch.float32, d_mo
         model = LlamaForCausalLM(config)
         model_bytes = sum(p.numel() * 4 for p in model.parameters())
         layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-        model.to(dtype).save_pretrained(str(folder))
+        model.save_pretrained(str(folder))
     save_tokenizer(folder, vocab)
     return model_bytes, layer_bytes
 
@@ -589,10 +589,11 @@ def test_the_forward_passes_hold_a_bf16_checkpoint_in_half_the_memory_of_its_flo
     tests/test_stream_families.py). Its 32 MB matrices are as large as glibc's largest mmap threshold, as a
     billion-parameter model's are: freed, their bytes go back to the system instead of staying in the heap."""
     stages = ("roles", "causal_local", "causal_loss")
-    peaks = {}
+    peaks, stored = {}, tmp_path / str(torch.float32)
+    model_bytes, layer_bytes = _wide_llama(stored, vocab=512, layers=6, d_model=1024)
+    as_bf16(shutil.copytree(stored, tmp_path / str(torch.bfloat16)))  # the same weights, stored in bf16
     for dtype in (torch.bfloat16, torch.float32):
         folder = tmp_path / str(dtype)
-        model_bytes, layer_bytes = _wide_llama(folder, vocab=512, layers=6, dtype=dtype, d_model=1024)
         run = _analyze_process(folder, tmp_path / f"{dtype}-run", 16 * 2**20, "--causal-loss-edges", "2",
                                "--causal-loss-inputs", "2", "--types", "OV", roles=True, causal=True)
         assert f"held in {str(dtype).removeprefix('torch.')}" in run["engine"]["weights"]["forward_dtype"]
