@@ -527,7 +527,7 @@ def test_the_local_effects_hold_batches_within_their_budget(tmp_path):
     _wide_llama(folder, vocab=512, layers=6, d_model=512, heads=16, mlp=1024)
     budget = 96 * 2**20
     found = subprocess.run([sys.executable, "-c", _LOCAL_PEAK, str(folder),
-                            json.dumps({"small": budget, "large": 2 * 2**30}), str(tmp_path)],
+                            json.dumps({"small": budget, "large": DEFAULT_MEMORY}), str(tmp_path)],
                            check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                            timeout=600)
     grown = json.loads(found.stdout.strip().splitlines()[-1])
