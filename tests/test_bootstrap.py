@@ -35,7 +35,6 @@ def test_ratio_intervals_resample_numerator_and_denominator_together():
     assert resample_counts(12, 200, [4, 1]).sum(0).tolist() == [12.0] * 200
 
 
-
 def test_rows_in_blocks_with_a_shorter_last_one_get_their_own_intervals(monkeypatch):
     """Rows are resampled in blocks that reuse two buffers; the last, shorter block reads no row of the one before
     (23 rows in blocks of 7: 7, 7, 7 and 2)."""
@@ -48,6 +47,7 @@ def test_rows_in_blocks_with_a_shorter_last_one_get_their_own_intervals(monkeypa
     draws = np.random.default_rng(6).integers(0, 9, size=(150, 9))
     boot = np.stack([num[:, d].sum(1) / den[:, d].sum(1) for d in draws], 1)
     np.testing.assert_allclose(np.stack([lo, hi]), np.percentile(boot, [2.5, 97.5], axis=1), rtol=1e-12)
+
 
 def test_float32_items_give_the_intervals_of_their_float64_copies():
     """The local effects hold their per-input sums in float32: the ratios and their resamples are summed in
