@@ -537,8 +537,8 @@ def _loss_gradients(net: Net, batch: TokenInputs, dz: torch.Tensor, clean: dict[
     for l in range(net.n_layers):
         v = clean[values[l]].float()
         v = v.repeat_interleave(net.n_heads // v.shape[2], dim=2)  # a KV head's values for each query head
-        w_o = net.weight("W_O", l)
-        metric = torch.einsum("bthe,hed,hfd->bthf", dz[l], w_o, w_o)  # Δz W_O W_O^T
+        root = net.out_root[l]  # Δz W_O W_O^T = Δz R R^T: an e x e product per head, not two through d_model
+        metric = torch.einsum("bthe,hef->bthf", dz[l], root @ root.transpose(-1, -2))
         places = torch.einsum("bkhe,bqhe->bhqk", v, metric)
         z = torch.cat([torch.stack(found.pop(f"blocks.{l}.attn.hook_z")), metric[None]])
         by_value = None
