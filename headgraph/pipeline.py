@@ -323,8 +323,8 @@ def _weights_record(model) -> dict:
         return {"read": "streamed layer by layer from the safetensors shards", "stored_dtypes": list(model.stored_dtypes),
                 "forward_dtype": f"role tests and causal effects: the raw weight matrices held in {held}, each "
                                  "block's computed in float32 while it runs (the float32 model's activations and "
-                                 "gradients, bit for bit); the causal effects read each head's W_O and z in the "
-                                 "processing asked"}
+                                 "gradients, to float32 rounding); the causal effects read each head's W_O and z "
+                                 "in the processing asked"}
     return {"read": "from the loaded model", "forward_dtype": str(next(model.bridge.parameters()).dtype).removeprefix("torch.")}
 
 

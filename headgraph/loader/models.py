@@ -452,8 +452,9 @@ def raw_bridge(folder: Path, name: str, device: str, dtype: torch.dtype, tokeniz
     """The bridge of the checkpoint in `folder` with its raw weight matrices held in `dtype` (bf16 or float16: half
     the bytes of float32), embeddings included, computing as the same bridge loaded in float32 would
     (run_blocks_in_float32). Its attention patterns, activations and gradients equal those of load_model(folder,
-    "raw") in float32 bit for bit (tests/test_stream.py), but a non-persistent buffer transformers builds in
-    `dtype` (e.g. Gemma's embedding scale) keeps that dtype's rounding."""
+    "raw") in float32 (tests/test_stream.py): bit for bit where a matrix is upcast whole, to float32 rounding where a
+    Linear's rows are upcast by chunks (a BLAS may sum a narrower product in another order); a non-persistent buffer
+    transformers builds in `dtype` (e.g. Gemma's embedding scale) keeps that dtype's rounding."""
     with quiet():
         bridge = _bridge(folder, device, tokenizer, name, dtype)
     if dtype != torch.float32:
