@@ -68,10 +68,18 @@ def test_bad_weight_type_is_refused():
         head_matrices(torch.zeros(1, 1, 4, 2), "X")
 
 
-def test_layer_by_layer_moments_equal_the_second_moment_of_all_heads(weights):
+@pytest.mark.parametrize("d", [32, 50])  # blocks of rows that divide d, and that do not
+def test_layer_by_layer_moments_equal_the_second_moment_of_all_heads(weights, d):
+    """Each type's moment, summed layer by layer below its diagonal blocks and mirrored, is the mean of M M^T / k
+    over all heads, symmetric."""
     from headgraph.analysis.significance import second_moment
 
+    if d != 32:
+        g = torch.Generator().manual_seed(1)
+        weights = {t: torch.randn(3, 2, *((8, d) if t == "O" else (d, 8)), generator=g, dtype=torch.float64)
+                   for t in "QKVO"}
     layers = [{f"W_{t}": w[layer] for t, w in weights.items()} for layer in range(3)]
     moments = head_statistics(layers, 3, torch.float64, torch.device("cpu")).moments
     for t in "QKVO":
         torch.testing.assert_close(moments[t], second_moment(weights[t], t), atol=1e-12, rtol=0)
+        assert torch.equal(moments[t], moments[t].T)

@@ -135,6 +135,25 @@ def rank_deficient_heads(subspaces: dict[str, SubspaceBases]) -> list[dict]:
     return records
 
 
+GRAM_BLOCKS = 8  # blocks of rows in `add_lower_gram`
+
+
+def add_lower_gram(gram: torch.Tensor, stacked: torch.Tensor) -> None:
+    """gram += stacked stacked^T [d, d] on and below its diagonal blocks only, one product per block of
+    GRAM_BLOCKS blocks of rows over the rows up to it, (GRAM_BLOCKS + 1) / (2 GRAM_BLOCKS) of the whole product's
+    FLOPs; what lies above them is left as it was, for `lower_to_symmetric` after the last sum."""
+    d = gram.shape[0]
+    block = -(-d // GRAM_BLOCKS)
+    for start in range(0, d, block):
+        end = min(start + block, d)
+        gram[start:end, :end].addmm_(stacked[start:end], stacked[:end].T)
+
+
+def lower_to_symmetric(gram: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix of `gram`'s lower triangle."""
+    return gram.tril() + gram.tril(-1).T
+
+
 @dataclass(frozen=True)
 class HeadStatistics:
     """What the PK stages keep of a model's weights, built one layer at a time (`head_statistics`): each type's
@@ -170,7 +189,7 @@ def head_statistics(layers, n_layers: int, dtype: torch.dtype, device: torch.dev
             found = orthonormal_bases(matrices, t, dtype, tolerance_scale)
             bases[t][layer], singular[t][layer] = found.bases[0], found.singular_values[0]
             stacked = matrices[0].permute(1, 0, 2).reshape(matrices.shape[-2], -1)
-            moments[t].addmm_(stacked, stacked.T)
+            add_lower_gram(moments[t], stacked)
             counts[t] += stacked.shape[1]
         for mode in composition_modes:
             left, right = composition_factors(*(w[t].unsqueeze(0) for t in WEIGHT_TYPES), mode)
@@ -184,4 +203,4 @@ def head_statistics(layers, n_layers: int, dtype: torch.dtype, device: torch.dev
     tolerance = {t: tolerance_scale * rank_tolerance(tuple(bases[t].shape[-2:]), dtype) for t in bases}
     subspaces = {t: SubspaceBases(t, bases[t], (singular[t] > singular[t][..., :1] * tolerance[t]).sum(dim=-1),
                                   singular[t]) for t in WEIGHT_TYPES}
-    return HeadStatistics(subspaces, {t: moments[t] / counts[t] for t in WEIGHT_TYPES}, factors)
+    return HeadStatistics(subspaces, {t: lower_to_symmetric(moments[t]) / counts[t] for t in WEIGHT_TYPES}, factors)
