@@ -8,10 +8,9 @@ from scipy import stats
 
 from headgraph.analysis.pk import pair_mask, pk_matrix
 from headgraph.analysis.reference import isotropic_log10_p
-from headgraph.analysis.significance import (ROOT_BLOCKS, benjamini_hochberg, null_bases, null_head_sets,
-                                             null_pk_samples, plan_null, root_product, upper_p, second_moment,
-                                             sigma_root)
-from headgraph.analysis.subspaces import head_matrices, orthonormal_bases
+from headgraph.analysis.significance import (benjamini_hochberg, null_bases, null_head_sets, null_pk_samples,
+                                             plan_null, root_product, upper_p, second_moment, sigma_root)
+from headgraph.analysis.subspaces import ROW_BLOCKS, head_matrices, orthonormal_bases
 
 L, H, D, K = 4, 4, 64, 16
 
@@ -73,11 +72,12 @@ def test_the_root_of_sigma_draws_gaussians_of_covariance_sigma(rank):
 def test_the_root_times_each_gaussian_is_the_float64_product(rank):
     """root_product skips only zeros: a Cholesky factor's (lower-triangular, rank 50 of 50), an eigendecomposition's
     (dense, rank 30) and one with a block of zero rows give root @ G of every G as float64 computes it, d not a
-    multiple of ROOT_BLOCKS."""
+    multiple of ROW_BLOCKS."""
+    assert 50 % ROW_BLOCKS
     g = torch.Generator().manual_seed(5)
     factor = torch.randn(50, rank, generator=g, dtype=torch.float64)
     root = sigma_root(factor @ factor.T).float()
-    assert torch.equal(root, root.tril()) == (rank == 50) and 50 % ROOT_BLOCKS
+    assert torch.equal(root, root.tril()) == (rank == 50)
     gaussian = torch.randn(7, 50, 3, generator=g)
     for r in (root, torch.cat([root[:20], torch.zeros(10, 50), root[30:]])):
         expected = r.double() @ gaussian.double()

@@ -19,7 +19,7 @@ import torch
 
 from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_bases
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
-from headgraph.analysis.subspaces import head_matrices, orthonormal_bases, small_lapack
+from headgraph.analysis.subspaces import head_matrices, orthonormal_bases, row_blocks, small_lapack
 
 NULL_NAME = "second_moment"
 NULL_DESCRIPTION = ("PK between random subspaces Sigma_T^(1/2) G drawn from each weight type's own second "
@@ -54,25 +54,20 @@ def sigma_root(sigma: torch.Tensor) -> torch.Tensor:
     return eigenvectors * torch.where(eigenvalues > floor, eigenvalues, 0.0).sqrt()
 
 
-ROOT_BLOCKS = 8  # blocks of a root's rows in `root_product`
-
-
 def root_product(root: torch.Tensor, gaussian: torch.Tensor) -> torch.Tensor:
-    """root @ G [n, d, w] for every G of gaussian [n, d, w], as one product of each of ROOT_BLOCKS blocks of root's
-    rows with all the G side by side, over the columns up to the block's last nonzero one: a Cholesky factor
-    (lower-triangular) costs (ROOT_BLOCKS + 1) / (2 ROOT_BLOCKS) of the full product (d_model 2048, 200 heads of
-    64: 0.62 s against 0.93 s for the batched product of the whole root with each G)."""
+    """root @ G [n, d, w] for every G of gaussian [n, d, w], as one product of each block of root's rows
+    (`row_blocks`) with all the G side by side, over the columns up to the block's last nonzero one: a Cholesky
+    factor (lower-triangular) costs (ROW_BLOCKS + 1) / (2 ROW_BLOCKS) of the full product (d_model 2048, 200
+    heads of 64: 0.62 s against 0.93 s for the batched product of the whole root with each G)."""
     d = root.shape[0]
     n, _, w = gaussian.shape
     flat = gaussian.to(root.device).permute(1, 0, 2).reshape(d, n * w)
     out = torch.zeros(d, n * w, dtype=root.dtype, device=root.device)
-    block = -(-d // ROOT_BLOCKS)
-    for start in range(0, d, block):
-        rows = root[start:start + block]
-        used = torch.nonzero(rows.any(0))
+    for start, end in row_blocks(d):
+        used = torch.nonzero(root[start:end].any(0))
         if len(used):
-            end = int(used[-1]) + 1
-            torch.mm(rows[:, :end], flat[:end], out=out[start:start + block])
+            columns = int(used[-1]) + 1
+            torch.mm(root[start:end, :columns], flat[:columns], out=out[start:end])
     return out.view(d, n, w).permute(1, 0, 2)
 
 

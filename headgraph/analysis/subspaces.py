@@ -135,17 +135,20 @@ def rank_deficient_heads(subspaces: dict[str, SubspaceBases]) -> list[dict]:
     return records
 
 
-GRAM_BLOCKS = 8  # blocks of rows in `add_lower_gram`
+ROW_BLOCKS = 8  # blocks of rows of a triangular product (`add_lower_gram`, significance.root_product)
+
+
+def row_blocks(d: int) -> list[tuple[int, int]]:
+    """(start, end) of ROW_BLOCKS blocks of d rows, the last one shorter where d is not a multiple."""
+    block = -(-d // ROW_BLOCKS)
+    return [(start, min(start + block, d)) for start in range(0, d, block)]
 
 
 def add_lower_gram(gram: torch.Tensor, stacked: torch.Tensor) -> None:
-    """gram += stacked stacked^T [d, d] on and below its diagonal blocks only, one product per block of
-    GRAM_BLOCKS blocks of rows over the rows up to it, (GRAM_BLOCKS + 1) / (2 GRAM_BLOCKS) of the whole product's
-    FLOPs; what lies above them is left as it was, for `lower_to_symmetric` after the last sum."""
-    d = gram.shape[0]
-    block = -(-d // GRAM_BLOCKS)
-    for start in range(0, d, block):
-        end = min(start + block, d)
+    """gram += stacked stacked^T [d, d] on and below its diagonal blocks only, one product per block of rows
+    (`row_blocks`) over the rows up to it, (ROW_BLOCKS + 1) / (2 ROW_BLOCKS) of the whole product's FLOPs; what
+    lies above them is left as it was, for `lower_to_symmetric` after the last sum."""
+    for start, end in row_blocks(gram.shape[0]):
         gram[start:end, :end].addmm_(stacked[start:end], stacked[:end].T)
 
 
