@@ -35,15 +35,24 @@ def test_ratio_intervals_resample_numerator_and_denominator_together():
     assert resample_counts(12, 200, [4, 1]).sum(0).tolist() == [12.0] * 200
 
 
-def test_rows_in_blocks_with_a_shorter_last_one_get_their_own_intervals(monkeypatch):
-    """Rows are resampled in blocks that reuse two buffers; the last, shorter block reads no row of the one before
-    (23 rows in blocks of 7: 7, 7, 7 and 2)."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_in_blocks_with_a_shorter_last_one_get_their_own_intervals(monkeypatch, threads):
+    """Rows are resampled in blocks that reuse two buffers per thread; the last, shorter block reads no row of the
+    one before it in its thread (23 rows in blocks of 7: 7, 7, 7 and 2; in 3 threads the first thread's are the
+    first and the last)."""
+    import torch
+
     from headgraph.analysis import bootstrap
 
     monkeypatch.setattr(bootstrap, "_CHUNK", 7)
     rng = np.random.default_rng(5)
     num, den = rng.normal(size=(23, 9)), rng.uniform(1, 2, size=(23, 9))
-    _, lo, hi = ratio_intervals(num, den, n_boot=150, seed=6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _, lo, hi = ratio_intervals(num, den, n_boot=150, seed=6)
+    finally:
+        torch.set_num_threads(before)
     draws = np.random.default_rng(6).integers(0, 9, size=(150, 9))
     boot = np.stack([num[:, d].sum(1) / den[:, d].sum(1) for d in draws], 1)
     np.testing.assert_allclose(np.stack([lo, hi]), np.percentile(boot, [2.5, 97.5], axis=1), rtol=1e-12)
