@@ -69,7 +69,7 @@ class _FactoredWeights:
 
     def __init__(self, net: Net, centred: bool):
         self.net, self.centred, self.gamma, self.eps = net, centred, {}, {}
-        self.buffers: dict[torch.Size, torch.Tensor] = {}  # Γ W of each shape (`mixed`), written again each time
+        self.buffers: dict[tuple, torch.Tensor] = {}  # Γ W per shape, dtype and device (`mixed`), rewritten each time
         for layer in range(1, net.n_layers):
             gamma, self.eps[layer], _ = net.layer_norm(layer, 1)
             self.gamma[layer] = None if gamma is None else gamma.detach().float()
@@ -94,9 +94,10 @@ class _FactoredWeights:
         h, d, e = w.shape
         rows = w.stride(1) == 1  # [h, e, d]: each of the h e rows of W^T contiguous
         w = w.transpose(1, 2) if rows else w.transpose(0, 1)
-        scaled = self.buffers.get(w.shape)
-        if scaled is None or (scaled.dtype, scaled.device) != (outputs.dtype, outputs.device):
-            scaled = self.buffers[w.shape] = torch.empty(w.shape, dtype=outputs.dtype, device=outputs.device)
+        key = (w.shape, outputs.dtype, outputs.device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(w.shape, dtype=outputs.dtype, device=outputs.device)
+        scaled = self.buffers[key]
         if self.gamma[layer] is None:
             scaled.copy_(w)
         else:
