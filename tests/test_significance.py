@@ -141,6 +141,17 @@ def test_the_null_of_all_16_type_pairs_is_one_pass_that_builds_each_set_once():
         np.testing.assert_allclose(nulls[tp], expected.reshape(-1).numpy(), atol=1e-4)
 
 
+def test_a_null_set_is_the_same_whichever_type_pairs_are_asked_and_only_the_read_ones_are_drawn():
+    from headgraph.heads import TYPE_PAIRS
+
+    w = random_model(None, seed=7)
+    alone, every = (model_null_sets(w, pairs, n_heads=6, seed=8) for pairs in (["OQ"], TYPE_PAIRS))
+    assert set(alone) == {"O", "Q"} and alone["O"][1] is None and alone["Q"][0] is None
+    assert torch.equal(alone["O"][0], every["O"][0]) and torch.equal(alone["Q"][1], every["Q"][1])
+    assert not torch.allclose(every["O"][0], every["O"][1])  # a same-type pair compares independent draws
+    assert not torch.allclose(model_null_sets(w, ["OQ"], n_heads=6, seed=9)["O"][0], alone["O"][0])
+
+
 @pytest.mark.parametrize("type_pair", ["OQ", "OK", "OV", "QQ", "VO"])
 def test_random_init_model_has_at_most_five_percent_discoveries(type_pair):
     q, _ = edge_statistics(random_model(None, seed=2), type_pair, seed=3)

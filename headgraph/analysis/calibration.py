@@ -38,7 +38,7 @@ CACHE_ENV = "HEADGRAPH_CACHE_DIR"
 RECALIBRATE_ENV = "HEADGRAPH_RECALIBRATE"
 CACHE_FILE = "pk-calibration.json"
 KERNELS = ("gram", "projector_build", "projector_tile")
-VERSION = 5  # of the measurement: part of the cache key
+VERSION = 6  # of the measurement: part of the cache key
 _CALIBRATION_BYTES = 64 * 2**20  # bound on the calibration's vectors
 _MEMORY: dict[str, "Rates"] = {}
 

@@ -20,6 +20,7 @@ import torch
 from headgraph.analysis.pk import PKPlan, PKRequest, pk_pass, plan_bases
 from headgraph.analysis.reference import beta_log_sf, beta_parameters
 from headgraph.analysis.subspaces import head_matrices, orthonormal_bases, row_blocks, small_lapack
+from headgraph.heads import WEIGHT_TYPES
 
 NULL_NAME = "second_moment"
 NULL_DESCRIPTION = ("PK between random subspaces Sigma_T^(1/2) G drawn from each weight type's own second "
@@ -83,22 +84,24 @@ def null_head_sets(moments: dict[str, torch.Tensor], widths: dict[str, int], typ
                    seed: int) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Two independent sets (one for sources, one for targets) of n_heads null bases per weight type, from each
     type's second moment (`moments`, e.g. HeadStatistics.moments) and head width, so that a same-type pair
-    (e.g. QQ) compares independent draws. Only the sets `type_pairs` read are computed (None for the others);
-    their Gaussian draws are still taken, so every set is the same whichever type pairs are asked."""
-    generator = torch.Generator().manual_seed(seed)
+    (e.g. QQ) compares independent draws. Only the sets `type_pairs` read are drawn and computed (None for the
+    others), each from its own generator (`set_generator`), so that every set is the same whichever type pairs
+    are asked."""
     sources, targets = {tp[0] for tp in type_pairs}, {tp[1] for tp in type_pairs}
     sets = {}
     for weight_type in sorted(sources | targets):
         root = sigma_root(moments[weight_type])
-        pair = []
-        for used in (weight_type in sources, weight_type in targets):
-            if used:
-                pair.append(null_bases(root, n_heads, widths[weight_type], generator))
-            else:
-                torch.randn(n_heads, root.shape[0], widths[weight_type], generator=generator, dtype=root.dtype)
-                pair.append(None)
-        sets[weight_type] = tuple(pair)
+        sets[weight_type] = tuple(
+            null_bases(root, n_heads, widths[weight_type], set_generator(seed, weight_type, side)) if used else None
+            for side, used in enumerate((weight_type in sources, weight_type in targets)))
     return sets
+
+
+def set_generator(seed: int, weight_type: str, side: int) -> torch.Generator:
+    """The generator of one null set (side 0: sources, 1: targets): seeded from (seed, type, side) by numpy's
+    SeedSequence, so the sets' streams are independent and none is drawn to reach another."""
+    state = np.random.SeedSequence((seed, WEIGHT_TYPES.index(weight_type), side)).generate_state(1, np.uint64)
+    return torch.Generator().manual_seed(int(state[0]))
 
 
 def _named_sets(sets: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
