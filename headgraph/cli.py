@@ -119,7 +119,8 @@ def analyze_options(command: Callable) -> Callable:
                   help="tl: TransformerLens' folded/centred weights; raw: the checkpoint's weights as stored.")
     @DEVICE_OPTION
     @click.option("--dtype", type=click.Choice(get_args(Dtype)), default=PK.dtype, show_default=True)
-    @click.option("--seed", default=PK.seed, show_default=True, type=int, help="Seed of the samplers and generated inputs.")
+    @click.option("--seed", default=PK.seed, show_default=True, type=click.IntRange(min=0),
+                  help="Seed of the samplers and generated inputs.")
     @click.option("--max-memory", default=f"{PK.max_memory / 2**30:g}GiB", show_default=True, callback=parse_memory_size,
                   help="Working-memory budget of each stage: the PK engine's tiles, the causal effects' batches and "
                        "steps (e.g. 512MB, 8GiB).")
@@ -387,7 +388,8 @@ def cypher(statement, params, fmt, store):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write roles.parquet and roles.json here.")
 @click.option("--n-inputs", default=ROLES.n_inputs, show_default=True, type=click.IntRange(min=2),
               help="Inputs per input set (sequential: at most).")
-@click.option("--seed", default=PK.seed, show_default=True, help="Seed of the generated inputs.")
+@click.option("--seed", default=PK.seed, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the generated inputs.")
 @click.option("--tau", default=ROLES.tau, show_default=True, help="Sieve bias threshold of the one-sided test.")
 @click.option("--alpha", default=ROLES.alpha, show_default=True,
               type=click.FloatRange(0, 1, min_open=True, max_open=True), help="Significance level of the decision.")

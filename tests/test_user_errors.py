@@ -381,3 +381,22 @@ def test_a_bad_causal_loss_inputs_is_one_line_and_stores_nothing(value, message,
                             str(tmp_path / "store.lbdb")], capsys)
     assert code == 2 and one_line(err) == f"error: {message}"
     assert not (tmp_path / "store.lbdb").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["analyze", "roles"])
+def test_a_negative_seed_is_a_usage_error_before_any_work(command, synthetic_dir, tmp_path, capsys):
+    code, _, err = run_cli([command, str(synthetic_dir), "--seed", "-1", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_python_api_refuses_a_negative_seed_naming_it(tmp_path):
+    import headgraph
+    from headgraph.analysis.roles import compute_roles
+    from headgraph.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^seed must be an integer >= 0, got -1$"):
+        headgraph.analyze("induction-2l", seed=-1, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UsageError, match=r"^seed must be an integer >= 0, got -2$"):
+        compute_roles(object(), seed=-2)  # refused before the model is read

@@ -35,6 +35,13 @@ STABILITY_VARIANTS = {
 DEFAULT_N_BOOT = 1000  # bootstrap samples of the causal effects' intervals
 
 
+def check_seed(seed: int) -> int:
+    """`seed` when it can seed numpy's and torch's samplers (an integer >= 0), else a UsageError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise UsageError(f"seed must be an integer >= 0, got {seed!r}")
+    return int(seed)
+
+
 @dataclass(frozen=True)
 class PKOptions:
     """Everything that shapes the PK stages besides the model, defaults declared once (the CLI reads them)."""
@@ -57,6 +64,7 @@ class PKOptions:
             check_choice(self.device, Device, "device")
         check_choice(self.dtype, Dtype, "dtype")
         check_choice(self.formulation, Formulation, "formulation")
+        check_seed(self.seed)
 
 
 @dataclass(frozen=True)

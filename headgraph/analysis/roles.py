@@ -65,7 +65,7 @@ from headgraph.analysis.prompts import (
     KIND_A, KIND_B, KIND_CLS, KIND_SEP, RELATIONS, TokenInputs, ioi_inputs, missing_pair_tokens,
     repeated_token_inputs, sentence_pair_inputs,
 )
-from headgraph.analysis.options import Correction, RoleOptions
+from headgraph.analysis.options import Correction, RoleOptions, check_seed
 from headgraph.analysis.significance import benjamini_hochberg
 from headgraph.errors import ModelUnavailable, check_choice
 
@@ -406,7 +406,7 @@ def compute_roles(model, seed: int = 0, progress=None, **settings) -> tuple[pd.D
     flagged here is a statistical statement about attention on generated inputs, not a claim about what the head
     does for the model's output.
     """
-    options = RoleOptions(**settings)
+    options, seed = RoleOptions(**settings), check_seed(seed)
     skipped = check_tokenizer(model)
     is_decoder = bool(model.cfg["is_decoder"])
     roles = tuple(r for r in (DECODER_ROLES if is_decoder else ENCODER_ROLES) if r.name not in skipped)
