@@ -400,3 +400,17 @@ def test_the_python_api_refuses_a_negative_seed_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
     with pytest.raises(UsageError, match=r"^seed must be an integer >= 0, got -2$"):
         compute_roles(object(), seed=-2)  # refused before the model is read
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-q", "2"], "--max-q must lie in (0, 1] (got 2.0)"),
+    (["--max-q", "0"], "--max-q must lie in (0, 1] (got 0.0)"),
+    (["--min-z", "nan"], "--min-z must be a number (got nan)"),
+    (["--min-effect", "nan"], "--min-effect must be a number (got nan)"),
+])
+def test_a_threshold_that_no_edge_could_meet_sensibly_is_one_line_before_any_work(args, message, synthetic_dir,
+                                                                                  tmp_path, capsys):
+    code, _, err = run_cli(["analyze", str(synthetic_dir), *FAST, *args, "--out", str(tmp_path / "run"), "--db",
+                            str(tmp_path / "store.lbdb")], capsys)
+    assert code == 2 and one_line(err) == f"error: {message}"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "store.lbdb").exists()

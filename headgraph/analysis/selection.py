@@ -8,6 +8,7 @@ PK rank among all computed pairs of its type (1 = strongest). The policy is reco
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ class SelectionPolicy:
             raise UsageError(f"top_k must be at least 1, or None for no per-type limit (got {self.top_k})")
         if self.max_q is not None and not 0 < self.max_q <= 1:
             raise UsageError(f"--max-q must lie in (0, 1] (got {self.max_q})")
+        for flag, value in (("--min-z", self.min_z), ("--min-effect", self.min_effect)):
+            if value is not None and math.isnan(value):  # nothing is >= NaN: it would keep no edge, silently
+                raise UsageError(f"{flag} must be a number (got {value})")
 
     def describe(self) -> str:
         """The policy in words, as run.json records it; `parse` reads it back exactly (a threshold is written
