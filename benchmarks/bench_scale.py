@@ -469,6 +469,8 @@ def main():
     # (GBs) removed on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"bench_scale: stopped by signal {signum}"))
     results = []
+    if args.work is not None:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for name, layers in args.shape or [(name, None) for name in DEFAULT_SHAPES]:
             shape, layers = SHAPES[name], layers or args.layers
