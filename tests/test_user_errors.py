@@ -408,8 +408,8 @@ def test_the_python_api_refuses_a_negative_seed_naming_it(tmp_path):
     (["--min-z", "nan"], "--min-z must be a number (got nan)"),
     (["--min-effect", "nan"], "--min-effect must be a number (got nan)"),
 ])
-def test_a_threshold_that_no_edge_could_meet_sensibly_is_one_line_before_any_work(args, message, synthetic_dir,
-                                                                                  tmp_path, capsys):
+def test_a_selection_threshold_out_of_its_range_is_one_line_before_any_work(args, message, synthetic_dir, tmp_path,
+                                                                           capsys):
     code, _, err = run_cli(["analyze", str(synthetic_dir), *FAST, *args, "--out", str(tmp_path / "run"), "--db",
                             str(tmp_path / "store.lbdb")], capsys)
     assert code == 2 and one_line(err) == f"error: {message}"

@@ -105,7 +105,7 @@ def build_chunk(bases: torch.Tensor, chunk: tuple[Piece, ...], buffer: torch.Ten
     tile applies them), written by one batched GEMM each into `buffer` (at least n_heads * the chunk's entries
     elements, reused across chunks so that no chunk faults in fresh memory) or a new one. A piece's entries are
     in the order of its transpose, columns c0:c1 by rows r0:r1 (P is symmetric and every head's are in the same
-    order, so a tile's sums are the same): that GEMM's output is the tall one, 11-17 % faster on the CPU (200
+    order, so a tile's sums are the same): that GEMM's output is the tall one, 6-17 % faster on the CPU (200
     heads of d 2048, k 64, pieces 64 x 64 to 64 x 1984)."""
     n = bases.shape[0]
     size = n * sum(p.entries for p in chunk)
