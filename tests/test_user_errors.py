@@ -176,15 +176,18 @@ def empty_ladybug(tmp_path):
 @pytest.mark.parametrize("store", [pytest.param("neo4j", marks=pytest.mark.neo4j), "ladybug"])
 @pytest.mark.parametrize("args, message", [
     (["query", "hubs", "--param", f"limit={BIG_INT}"],
-     f"error: bad value '{BIG_INT}' for parameter limit: expected int from -9223372036854775808 to "
-     "9223372036854775807"),
+     f"error: bad value '{BIG_INT}' for parameter limit: expected int from 0 to 9223372036854775807"),
+    (["query", "hubs", "--param", "limit=-1"],  # each store's own error otherwise (LIMIT -1), or no rows
+     "error: bad value '-1' for parameter limit: expected int from 0 to 9223372036854775807"),
+    (["query", "paths", "--param", "source=L0H0", "--param", "target=L1H1", "--param", "max_hops=-2"],
+     "error: bad value '-2' for parameter max_hops: expected int from 0 to 9223372036854775807"),
     (["cypher", "RETURN $x AS x", "--param", f"x={BIG_INT}"],
      f"error: bad --param x={BIG_INT}: integers must lie from -9223372036854775808 to 9223372036854775807"),
     (["cypher", "RETURN $x AS x", "--param", f'x=[1, {{"a": -{BIG_INT}}}]'],
      f'error: bad --param x=[1, {{"a": -{BIG_INT}}}]: integers must lie from -9223372036854775808 to '
      "9223372036854775807"),
 ])
-def test_an_integer_beyond_64_bits_is_a_usage_error(store, args, message, request, capsys):
+def test_an_integer_beyond_64_bits_or_a_negative_count_is_a_usage_error(store, args, message, request, capsys):
     where = ["--neo4j", request.getfixturevalue("neo4j_env")] if store == "neo4j" else \
         ["--db", request.getfixturevalue("empty_ladybug")]
     code, _, err = run_cli([*args, *where], capsys)

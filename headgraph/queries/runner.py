@@ -5,9 +5,9 @@ A query file starts with `//` comment lines: free text (its purpose), then one l
 
     // param <name>: <type> [= <default>] -- <description>
 
-Types: string, int (64-bit), float, list (comma-separated strings), types (comma-separated weight-pair types
-such as OK,OV, any case), head (L4H7, or a native KV head L4KV1 of a grouped-query model), node (a head or a
-layer L4).
+Types: string, int (a count: 0 to 2^63 - 1, the largest integer both stores take), float, list (comma-separated
+strings), types (comma-separated weight-pair types such as OK,OV, any case), head (L4H7, or a native KV head
+L4KV1 of a grouped-query model), node (a head or a layer L4).
 A parameter without a default is required, except `run`, which defaults to the latest complete run, and `sweep`,
 which defaults to the sweep of the latest complete run that belongs to one.
 """
@@ -37,8 +37,8 @@ def _cast_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise ValueError("expected int") from None
-    if not INT64[0] <= value <= INT64[1]:
-        raise ValueError(f"expected int from {INT64[0]} to {INT64[1]}")
+    if not 0 <= value <= INT64[1]:  # each query's int is a count; a negative one errs differently per store
+        raise ValueError(f"expected int from 0 to {INT64[1]}")
     return value
 
 
