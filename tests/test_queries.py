@@ -244,11 +244,15 @@ def test_run_defaults_to_the_latest_complete_run(ladybug):
         ("no-such-query", {}, "unknown query"),
         ("hubs", {"run": "no-such-run"}, "no run 'no-such-run' in"),
         ("compare-runs", {"other": "no-such-run"}, "no run 'no-such-run' in"),
+        ("neighbors", {"head": "L9H0"}, "no head L9H0 in run RUN_A (parameter head)"),  # RUN_A: the run's id
+        ("neighbors", {"head": "L1H40"}, "no head L1H40 in run RUN_A (parameter head)"),
+        ("paths", {"source": "L0", "target": "L6"}, "no head or layer L6 in run RUN_A (parameter target)"),
+        ("paths", {"source": "L0H9", "target": "L5"}, "no head or layer L0H9 in run RUN_A (parameter source)"),
     ],
 )
-def test_bad_parameters_are_usage_errors(ladybug, name, params, message):
-    with pytest.raises(UsageError, match=re.escape(message)) as error:
-        run_named(ladybug, name, {"run": RUN_A, **params})
+def test_bad_parameters_are_usage_errors(store, name, params, message):
+    with pytest.raises(UsageError, match=re.escape(message.replace("RUN_A", RUN_A))) as error:
+        run_named(store, name, {"run": RUN_A, **params})
     assert "\n" not in str(error.value)
 
 

@@ -160,6 +160,11 @@ RETURN r.sweep AS sweep ORDER BY r.created DESC, r.id DESC LIMIT 1
 SWEEP_EXISTS_QUERY = """
 MATCH (r:Run) WHERE r.sweep = $sweep AND r.status = 'complete' RETURN r.id LIMIT 1
 """
+NODE_EXISTS_QUERY = """
+MATCH (h:Head) WHERE h.run_id = $run
+  AND (h.name = $node OR h.name STARTS WITH ($node + 'H') OR h.name STARTS WITH ($node + 'KV'))
+RETURN h.name LIMIT 1
+"""
 LATEST_RUN_QUERY = """
 MATCH (r:Run) WHERE r.status = 'complete'
 RETURN r.id AS id ORDER BY r.created DESC, r.id DESC LIMIT 1

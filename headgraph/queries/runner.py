@@ -22,7 +22,7 @@ from typing import Any
 
 from headgraph.errors import UsageError
 from headgraph.heads import TYPE_PAIRS
-from headgraph.loader.store import SWEEP_EXISTS_QUERY, GraphStore, Rows
+from headgraph.loader.store import NODE_EXISTS_QUERY, SWEEP_EXISTS_QUERY, GraphStore, Rows
 
 _PARAM = re.compile(r"^//\s*param\s+(\w+)\s*:\s*(\w+)\s*(?:=\s*(.*?))?\s*--\s*(.*)$")
 _HEAD = re.compile(r"^L\d+(H|KV)\d+$")
@@ -205,6 +205,11 @@ def bind_params(query: NamedQuery, given: dict[str, str], store: GraphStore) -> 
         if latest is None:
             raise UsageError(f"{store.description} holds no complete run of a sweep; run `headgraph sweep` first")
         bound["sweep"] = latest
+    for p in query.params:  # a head or layer the run lacks (a typo, another model's) would answer no rows
+        if p.type in ("head", "node") and p.name in bound and "run" in bound and not store.read(
+                NODE_EXISTS_QUERY, {"run": bound["run"], "node": bound[p.name]}).rows:
+            what = "head" if p.type == "head" else "head or layer"
+            raise UsageError(f"no {what} {bound[p.name]} in run {bound['run']} (parameter {p.name})")
     return bound
 
 
