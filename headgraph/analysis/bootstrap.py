@@ -70,7 +70,7 @@ def ratio_intervals(num: np.ndarray, den: np.ndarray, n_boot: int, seed, root: b
     recomputing both sums; sqrt of each when `root`. num and den are paired per item: a per-item difference
     (patched minus clean on the same input) stays paired in every resample. The sums are float64 whatever the
     inputs' dtype (float32 per-item values give the same numbers as their float64 copies)."""
-    import torch
+    import torch  # here, not above: the CLI imports this module, and must not load torch (OMP_WAIT_POLICY)
 
     counts = torch.from_numpy(resample_counts(num.shape[1], n_boot, seed))
     lo, hi = np.empty(len(num)), np.empty(len(num))
