@@ -72,6 +72,11 @@ def rank_tolerance(shape: tuple[int, int], dtype: torch.dtype) -> float:
     return max(shape) * torch.finfo(dtype).eps
 
 
+def _above_rank_threshold(singular_values: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Which singular values [..., k] (descending) count towards the rank: above tolerance * sigma_max."""
+    return singular_values > singular_values[..., :1] * tolerance
+
+
 @contextmanager
 def small_lapack(device: torch.device):
     """Run the enclosed per-head decompositions on one CPU thread (restored afterwards); no-op off the CPU."""
@@ -89,7 +94,7 @@ def small_lapack(device: torch.device):
 def _svd(work: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
     with small_lapack(work.device):
         left, singular_values, _ = torch.linalg.svd(work, full_matrices=False)
-    return left * (singular_values > singular_values[..., :1] * tolerance).unsqueeze(-2), singular_values
+    return left * _above_rank_threshold(singular_values, tolerance).unsqueeze(-2), singular_values
 
 
 def _svd_by_gram(work: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +108,7 @@ def _svd_by_gram(work: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, to
     with small_lapack(work.device):
         eigenvalues, right = torch.linalg.eigh(gram)
     singular_values = eigenvalues.flip(-1).clamp(min=0).sqrt()
-    kept = singular_values > singular_values[..., :1] * tolerance
+    kept = _above_rank_threshold(singular_values, tolerance)
     inverse = torch.where(kept, 1.0 / torch.where(kept, singular_values, 1.0), 0.0)
     return wide @ (right.flip(-1) * inverse.unsqueeze(-2)), singular_values
 
@@ -119,7 +124,7 @@ def orthonormal_bases(matrices: torch.Tensor, weight_type: str, dtype: torch.dty
     singular_values = torch.empty(*matrices.shape[:-2], min(matrices.shape[-2:]), dtype=dtype, device=matrices.device)
     for layer in range(matrices.shape[0]):  # one layer at a time bounds the float64 temporaries
         bases[layer], singular_values[layer] = decompose(matrices[layer].to(dtype=dtype), tolerance)
-    ranks = (singular_values > singular_values[..., :1] * tolerance).sum(dim=-1)
+    ranks = _above_rank_threshold(singular_values, tolerance).sum(dim=-1)
     return SubspaceBases(weight_type=weight_type, bases=bases, ranks=ranks, singular_values=singular_values)
 
 
@@ -203,6 +208,6 @@ def head_statistics(layers, n_layers: int, dtype: torch.dtype, device: torch.dev
                     factors[key] = torch.empty(n_layers, n_heads, f.shape[-1], f.shape[-1], dtype=dtype, device=device)
                 factors[key][layer] = (u.transpose(-2, -1) @ f)[0]
     tolerance = {t: tolerance_scale * rank_tolerance(tuple(bases[t].shape[-2:]), dtype) for t in bases}
-    subspaces = {t: SubspaceBases(t, bases[t], (singular[t] > singular[t][..., :1] * tolerance[t]).sum(dim=-1),
+    subspaces = {t: SubspaceBases(t, bases[t], _above_rank_threshold(singular[t], tolerance[t]).sum(dim=-1),
                                   singular[t]) for t in WEIGHT_TYPES}
     return HeadStatistics(subspaces, {t: lower_to_symmetric(moments[t]) / counts[t] for t in WEIGHT_TYPES}, factors)
